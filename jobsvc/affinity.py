@@ -1,0 +1,117 @@
+"""Shard state shared by every producer and worker, in Redis: which shard holds each document
+prefix, and how much prefill work each shard still has outstanding.
+
+The choice for a new document is the pure `routing.least_loaded`; Redis only makes it shared.
+A claim is HSETNX, so two producers racing on one new document agree on whoever came first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from jobsvc.routing import least_loaded
+
+AFFINITY_KEY = "jobsvc:affinity"
+LOAD_KEY = "jobsvc:load"
+
+# Lowers a shard's load without going below zero (a counter lost with a Redis restart
+# must not turn negative and attract every new document).
+_RELEASE = """
+for i = 1, #ARGV, 2 do
+  local left = redis.call('HINCRBY', KEYS[1], ARGV[i], -tonumber(ARGV[i + 1]))
+  if left < 0 then redis.call('HSET', KEYS[1], ARGV[i], 0) end
+end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class DocumentDemand:
+    """What routing one document costs: its prefix key and the prefill tokens its jobs add
+    to a shard that has never seen it versus one that already holds it."""
+
+    prefix_key: str
+    cost_if_new: int
+    cost_if_known: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    shard: int
+    is_new: bool
+
+
+class ShardState:
+    def __init__(self, client: redis.Redis, shards: int) -> None:
+        self._redis = client
+        self._shards = shards
+        self._release = client.register_script(_RELEASE)
+
+    def place(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
+        """Pick a shard per document (known documents stay put) and charge the shards.
+
+        Round trips: one read, one claim-and-charge; a third only when another producer
+        claimed one of the same new documents first, and then its choice wins."""
+        keys = [demand.prefix_key for demand in demands]
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(AFFINITY_KEY, keys)
+            pipe.hgetall(LOAD_KEY)
+            known, raw_loads = pipe.execute()
+        loads = [int(raw_loads.get(str(shard).encode(), 0)) for shard in range(self._shards)]
+        placements: list[Placement] = []
+        charges: dict[int, int] = {}
+        for demand, value in zip(demands, known, strict=True):
+            shard = int(value) if value is not None else self._shards
+            placement = (Placement(shard, False) if shard < self._shards
+                         else Placement(least_loaded(loads), True))
+            cost = demand.cost_if_new if placement.is_new else demand.cost_if_known
+            loads[placement.shard] += cost
+            charges[placement.shard] = charges.get(placement.shard, 0) + cost
+            placements.append(placement)
+        claims = [index for index, placement in enumerate(placements) if placement.is_new]
+        with self._redis.pipeline(transaction=False) as pipe:
+            for index in claims:
+                pipe.hsetnx(AFFINITY_KEY, keys[index], placements[index].shard)
+            for shard, tokens in charges.items():
+                pipe.hincrby(LOAD_KEY, str(shard), tokens)
+            won = pipe.execute()[:len(claims)]
+        lost = [index for index, ok in zip(claims, won, strict=True) if not ok]
+        if lost:
+            self._defer_to_winners(lost, keys, demands, placements)
+        return placements
+
+    def _defer_to_winners(self, lost: list[int], keys: list[str],
+                          demands: Sequence[DocumentDemand], placements: list[Placement]) -> None:
+        winners = self._redis.hmget(AFFINITY_KEY, [keys[index] for index in lost])
+        undo: dict[int, int] = {}
+        redo: dict[int, int] = {}
+        for index, value in zip(lost, winners, strict=True):
+            ours, theirs = placements[index].shard, int(value)
+            undo[ours] = undo.get(ours, 0) + demands[index].cost_if_new
+            redo[theirs] = redo.get(theirs, 0) + demands[index].cost_if_known
+            placements[index] = Placement(theirs, False)
+        self.release(undo)
+        self.charge(redo)
+
+    def charge(self, charges: Mapping[int, int]) -> None:
+        if charges:
+            with self._redis.pipeline(transaction=False) as pipe:
+                for shard, tokens in charges.items():
+                    pipe.hincrby(LOAD_KEY, str(shard), tokens)
+                pipe.execute()
+
+    def release(self, releases: Mapping[int, int]) -> None:
+        """Return finished jobs' estimated prefill to their shards."""
+        args: list[int | str] = []
+        for shard, tokens in releases.items():
+            if tokens:
+                args += [str(shard), tokens]
+        if args:
+            self._release(keys=[LOAD_KEY], args=args)
+
+    def loads(self) -> list[int]:
+        raw = self._redis.hgetall(LOAD_KEY)
+        return [int(raw.get(str(shard).encode(), 0)) for shard in range(self._shards)]

@@ -1,0 +1,81 @@
+"""The `jobsvc` command line: migrate, worker, demo, stats, flower."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from jobsvc.errors import JobsvcError
+from jobsvc.settings import Settings
+
+
+def _migrate(settings: Settings, _args: argparse.Namespace) -> None:
+    from jobsvc.migrate import upgrade_to_head
+
+    upgrade_to_head(settings.resolved_database_url)
+    print(f"database at head: {settings.resolved_database_url}")
+
+
+def _worker(settings: Settings, args: argparse.Namespace) -> None:
+    from workers.bootstrap import run_worker
+
+    if not 0 <= args.shard < settings.shards:
+        raise SystemExit(f"--shard must be between 0 and {settings.shards - 1} "
+                         f"(JOBSVC_SHARDS={settings.shards})")
+    run_worker(settings, args.shard, args.device)
+
+
+def _demo(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.demo import run_demo
+
+    run_demo(settings, documents=args.documents, questions=args.questions, words=args.words)
+
+
+def _stats(settings: Settings, _args: argparse.Namespace) -> None:
+    from jobsvc.store import Store
+
+    store = Store(settings.resolved_database_url)
+    print(json.dumps(store.totals(), default=str, indent=2))
+
+
+def _flower(settings: Settings, args: argparse.Namespace) -> None:
+    command = ["celery", f"--broker={settings.redis_url}", "flower",
+               f"--address={args.address}", f"--port={settings.flower_port}"]
+    os.execvp(command[0], command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jobsvc", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("migrate", help="create or upgrade the database schema").set_defaults(
+        run=_migrate)
+    worker = commands.add_parser("worker", help="run the worker of one shard")
+    worker.add_argument("--shard", type=int, required=True)
+    worker.add_argument("--device", help="GPU index (GPU hosts) or CPU cores such as 0-1")
+    worker.set_defaults(run=_worker)
+    demo = commands.add_parser("demo", help="run the whole pipeline on this machine")
+    demo.add_argument("--documents", type=int, default=8)
+    demo.add_argument("--questions", type=int, default=4, help="questions per document")
+    demo.add_argument("--words", type=int, default=500, help="words per document")
+    demo.set_defaults(run=_demo)
+    commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
+    flower = commands.add_parser("flower", help="run Flower on the shard queues")
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.set_defaults(run=_flower)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        logging.basicConfig(level=settings.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        args.run(settings, args)
+    except JobsvcError as error:
+        print(f"jobsvc: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,214 @@
+"""The producer API: submit document-question jobs, poll their results, cancel them."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import redis
+
+from jobsvc import compression
+from jobsvc.affinity import DocumentDemand, ShardState
+from jobsvc.batching import form_batches
+from jobsvc.errors import InvalidJob, JobNotFound
+from jobsvc.prompts import PromptBuilder
+from jobsvc.routing import DocumentKeys, document_keys
+from jobsvc.schema import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    JobRequest,
+    JobStatus,
+    QueuedJob,
+    validate_job,
+)
+from jobsvc.settings import Settings
+from jobsvc.store import JobRecord, Store, utcnow
+from jobsvc.transport import make_celery, publish
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHANNEL = "jobsvc:cancel"
+_WAIT_CHUNK = 5000
+
+
+class Client:
+    """A producer's handle on the service. Safe to share between threads of one process."""
+
+    def __init__(self, redis_url: str | None = None, database_url: str | None = None, *,
+                 settings: Settings | None = None) -> None:
+        base = settings or Settings.from_env()
+        self.settings = replace(base, redis_url=redis_url or base.redis_url,
+                                database_url=database_url or base.database_url)
+        self._store = Store(self.settings.resolved_database_url)
+        self._redis = redis.Redis.from_url(self.settings.redis_url)
+        self._shard_state = ShardState(self._redis, self.settings.shards)
+        self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
+        self._celery = make_celery(self.settings)
+
+    def close(self) -> None:
+        self._store.dispose()
+        self._redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def submit(self, document: str, question: str, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+               temperature: float = DEFAULT_TEMPERATURE, **sampling: Any) -> str:
+        """Submit one job and return its ID."""
+        job = {"document": document, "question": question, "max_tokens": max_tokens,
+               "temperature": temperature, **sampling}
+        return self.submit_many([job])[0]
+
+    def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Submit many jobs at once: all are validated first, then recorded in one transaction
+        and enqueued in one Redis pipeline. Returns the job IDs in input order."""
+        requests = [self._validate(index, job) for index, job in enumerate(jobs)]
+        if not requests:
+            return []
+        distinct = list(dict.fromkeys(request.document for request in requests))
+        document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
+        question_tokens = self._prompts.questions([request.question for request in requests])
+        self._check_lengths(requests, document_tokens, question_tokens)
+
+        keys = {text: document_keys(tokens, self.settings.block_size)
+                for text, tokens in document_tokens.items()}
+        placements = self._place(requests, keys, document_tokens, question_tokens)
+
+        now = utcnow()
+        seen_prefixes: set[str] = set()
+        job_rows: list[dict[str, Any]] = []
+        placed: list[tuple[int, QueuedJob]] = []
+        for request, tokens in zip(requests, question_tokens, strict=True):
+            doc = keys[request.document]
+            placement = placements[doc.prefix_key]
+            prompt_tokens = len(document_tokens[request.document]) + len(tokens)
+            first_on_new = placement.is_new and doc.prefix_key not in seen_prefixes
+            seen_prefixes.add(doc.prefix_key)
+            prefill = prompt_tokens - (0 if first_on_new else doc.cacheable_tokens)
+            job_id = uuid.uuid4().hex
+            job_rows.append({
+                "id": job_id, "document_key": doc.document_key, "question": request.question,
+                "sampling": request.sampling, "shard": placement.shard,
+                "status": JobStatus.QUEUED.value, "prompt_tokens": prompt_tokens,
+                "estimated_prefill": prefill, "submitted_at": now})
+            placed.append((placement.shard, QueuedJob(
+                job_id, doc.document_key, tokens, request.sampling, prefill)))
+
+        document_rows = [{"key": keys[text].document_key,
+                          "text_zst": compression.compress(text.encode()),
+                          "tokens": len(tokens), "created_at": now}
+                         for text, tokens in document_tokens.items()]
+        by_key = {keys[text].document_key: tokens for text, tokens in document_tokens.items()}
+        try:
+            self._store.record_submitted(document_rows, job_rows)
+        except Exception:
+            self._shard_state.release(_charges(placed))
+            raise
+        publish(self._celery, form_batches(placed, by_key, self.settings.batch_size))
+        log.debug("submitted %d jobs on shards %s", len(job_rows),
+                  sorted({shard for shard, _ in placed}))
+        return [row["id"] for row in job_rows]
+
+    def get(self, job_id: str) -> JobRecord:
+        record = self._store.get_many([job_id]).get(job_id)
+        if record is None:
+            raise JobNotFound(f"no job with ID {job_id!r}")
+        return record
+
+    def wait(self, job_ids: Sequence[str] | str, timeout: float | None = None,
+             poll_interval: float = 0.05) -> list[JobRecord]:
+        """Block until every job has finished; return their records in the order given.
+        Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID."""
+        ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interval = poll_interval
+        pending = ids
+        while True:
+            pending = [job_id for start in range(0, len(pending), _WAIT_CHUNK)
+                       for job_id in self._unfinished(pending[start:start + _WAIT_CHUNK])]
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still unfinished after "
+                                   f"{timeout} s (first: {pending[0]})")
+            time.sleep(interval if deadline is None
+                       else max(0.0, min(interval, deadline - time.monotonic())))
+            interval = min(interval * 1.5, 1.0)
+        records: dict[str, JobRecord] = {}
+        for start in range(0, len(ids), _WAIT_CHUNK):
+            records.update(self._store.get_many(ids[start:start + _WAIT_CHUNK]))
+        return [records[job_id] for job_id in ids]
+
+    def pending(self, job_ids: Sequence[str]) -> int:
+        """How many of these jobs have not finished yet (for progress displays)."""
+        ids = list(job_ids)
+        return sum(self._store.count_unfinished(ids[start:start + _WAIT_CHUNK])
+                   for start in range(0, len(ids), _WAIT_CHUNK))
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a queued or running job. Returns False if it had already finished."""
+        cancelled = self._store.cancel(job_id)
+        if cancelled:
+            self._redis.publish(CANCEL_CHANNEL, job_id)
+        return cancelled
+
+    def _unfinished(self, job_ids: list[str]) -> list[str]:
+        records = self._store.get_many(job_ids)
+        missing = [job_id for job_id in job_ids if job_id not in records]
+        if missing:
+            raise JobNotFound(f"no job with ID {missing[0]!r}")
+        return [job_id for job_id in job_ids if not records[job_id].finished]
+
+    def _validate(self, index: int, job: Mapping[str, Any]) -> JobRequest:
+        if not isinstance(job, Mapping):
+            raise InvalidJob(f"job {index}: expected a mapping, got {type(job).__name__}")
+        fields = dict(job)
+        try:
+            return validate_job(fields.pop("document", None), fields.pop("question", None),
+                                fields, max_document_chars=self.settings.max_document_chars,
+                                max_question_chars=self.settings.max_question_chars)
+        except InvalidJob as error:
+            raise InvalidJob(f"job {index}: {error}") from None
+
+    def _check_lengths(self, requests: Sequence[JobRequest],
+                       document_tokens: Mapping[str, list[int]],
+                       question_tokens: Sequence[list[int]]) -> None:
+        limit = self._prompts.context_length
+        for index, (request, tokens) in enumerate(zip(requests, question_tokens, strict=True)):
+            prompt = len(document_tokens[request.document]) + len(tokens)
+            if prompt + request.max_tokens > limit:
+                raise InvalidJob(
+                    f"job {index}: prompt of {prompt} tokens plus max_tokens "
+                    f"{request.max_tokens} exceeds the model's context of {limit} tokens; "
+                    "shorten the document or lower max_tokens")
+
+    def _place(self, requests: Sequence[JobRequest], keys: Mapping[str, DocumentKeys],
+               document_tokens: Mapping[str, list[int]],
+               question_tokens: Sequence[list[int]]) -> dict[str, Any]:
+        """Route each distinct prefix once, charging its jobs' expected prefill work."""
+        known_cost: dict[str, int] = {}
+        new_extra: dict[str, int] = {}
+        for request, tokens in zip(requests, question_tokens, strict=True):
+            doc = keys[request.document]
+            uncached = len(document_tokens[request.document]) + len(tokens) - doc.cacheable_tokens
+            known_cost[doc.prefix_key] = known_cost.get(doc.prefix_key, 0) + uncached
+            new_extra[doc.prefix_key] = doc.cacheable_tokens
+        demands = [DocumentDemand(key, cost + new_extra[key], cost)
+                   for key, cost in known_cost.items()]
+        placements = self._shard_state.place(demands)
+        return {demand.prefix_key: placement
+                for demand, placement in zip(demands, placements, strict=True)}
+
+
+def _charges(placed: Sequence[tuple[int, QueuedJob]]) -> dict[int, int]:
+    charges: dict[int, int] = {}
+    for shard, job in placed:
+        charges[shard] = charges.get(shard, 0) + job.estimated_prefill
+    return charges

@@ -1,0 +1,104 @@
+"""Workers as child processes of this machine, for the demo, the benchmark and the tests:
+start one per shard, wait until each answers a ping, stop them with a warm shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+
+from celery import Celery
+
+from jobsvc.errors import JobsvcError
+from jobsvc.settings import Settings
+from jobsvc.transport import make_celery
+
+
+class WorkerStartError(JobsvcError):
+    """A local worker exited or did not become ready in time."""
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The JOBSVC_* variables that make a child process see exactly these settings."""
+    return {f"JOBSVC_{name.upper()}": str(value) for name, value in settings.__dict__.items()}
+
+
+class LocalWorkers:
+    def __init__(self, settings: Settings, log_dir: Path, *,
+                 devices: list[str | None] | None = None, startup_timeout: float = 600) -> None:
+        database_url = settings.resolved_database_url
+        if database_url.startswith("sqlite:///") and not database_url.startswith("sqlite:////"):
+            database_url = "sqlite:///" + str(Path(database_url[10:]).resolve())
+        self.settings = replace(settings, database_url=database_url)
+        self.log_dir = log_dir
+        self._devices = devices or [None] * settings.shards
+        self._timeout = startup_timeout
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def log_path(self, shard: int) -> Path:
+        return self.log_dir / f"worker-{shard}.log"
+
+    def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **settings_environment(self.settings)}
+        for shard, device in enumerate(self._devices):
+            command = [sys.executable, "-m", "jobsvc", "worker", "--shard", str(shard)]
+            if device:
+                command += ["--device", device]
+            with self.log_path(shard).open("wb") as log:
+                self.processes.append(subprocess.Popen(
+                    command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self._wait_ready(progress)
+
+    def _wait_ready(self, progress: Callable[[str], None]) -> None:
+        app: Celery = make_celery(self.settings)
+        expected = {f"shard{shard}@" for shard in range(len(self.processes))}
+        started = time.monotonic()
+        try:
+            while True:
+                for shard, process in enumerate(self.processes):
+                    if process.poll() is not None:
+                        tail = self.log_path(shard).read_text(errors="replace")[-3000:]
+                        raise WorkerStartError(
+                            f"worker for shard {shard} exited with code {process.returncode}; "
+                            f"log {self.log_path(shard)} ends with:\n{tail}")
+                replies = app.control.ping(timeout=1.0)
+                ready = {name.split("@")[0] + "@" for reply in replies for name in reply}
+                elapsed = time.monotonic() - started
+                if expected <= ready:
+                    progress(f"{len(expected)} worker(s) ready after {elapsed:.0f} s")
+                    return
+                if elapsed > self._timeout:
+                    raise WorkerStartError(f"workers not ready after {self._timeout:.0f} s; "
+                                           f"see {self.log_dir}")
+                progress(f"starting {len(expected)} worker(s): {len(ready & expected)} ready, "
+                         f"{elapsed:.0f} s")
+        finally:
+            app.close()
+
+    def stop(self, timeout: float = 60) -> None:
+        """Warm shutdown (SIGTERM lets running batches finish), then SIGKILL what remains."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalWorkers:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

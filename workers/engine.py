@@ -1,0 +1,131 @@
+"""The engine adapter: one resident vLLM AsyncLLM on its own event-loop thread.
+
+Celery task threads hand whole micro-batches over with one `run_coroutine_threadsafe` each;
+inside the loop every job becomes its own request at once, so the engine keeps admitting new
+work while earlier requests generate (no batch barrier). vLLM is imported only here, after the
+worker has bound its device."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    job_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    job_id: str
+    text: str | None
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finished_at: float
+
+
+class EngineAdapter:
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        self._engine_args = engine_args
+        self._loop = asyncio.new_event_loop()
+        self._engine: Any = None
+        self._thread = threading.Thread(target=self._serve, name="engine-loop", daemon=True)
+        self._started = concurrent.futures.Future[None]()
+
+    def start(self) -> None:
+        """Create the engine on the loop thread; returns once it can take requests."""
+        started = time.monotonic()
+        self._thread.start()
+        self._started.result()
+        log.info("engine ready in %.1f s", time.monotonic() - started)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._engine = self._loop.run_until_complete(self._create())
+        except BaseException as error:
+            self._started.set_exception(error)
+            return
+        self._started.set_result(None)
+        self._loop.run_forever()
+
+    async def _create(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+
+    def submit(self, requests: Sequence[EngineRequest],
+               on_result: Callable[[EngineResult], None]) -> concurrent.futures.Future[None]:
+        """Admit a batch; `on_result` is called on the loop thread as each job ends."""
+        return asyncio.run_coroutine_threadsafe(self._run_batch(requests, on_result), self._loop)
+
+    def abort(self, job_id: str) -> None:
+        asyncio.run_coroutine_threadsafe(self._engine.abort(job_id), self._loop)
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._loop.call_soon_threadsafe(self._engine.shutdown)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    async def _run_batch(self, requests: Sequence[EngineRequest],
+                         on_result: Callable[[EngineResult], None]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # Jobs in a batch usually share their sampling settings: build each distinct one once.
+        keys = [json.dumps(request.sampling, sort_keys=True) for request in requests]
+        params: dict[str, Any] = {}
+        for key, request in zip(keys, requests, strict=True):
+            if key not in params:
+                try:
+                    params[key] = SamplingParams(**request.sampling,
+                                                 output_kind=RequestOutputKind.FINAL_ONLY)
+                except Exception as error:
+                    params[key] = error
+        await asyncio.gather(*(self._run_one(request, params[key], on_result)
+                               for key, request in zip(keys, requests, strict=True)))
+
+    async def _run_one(self, request: EngineRequest, params: Any,
+                       on_result: Callable[[EngineResult], None]) -> None:
+        prompt_tokens = len(request.prompt_token_ids)
+        if isinstance(params, Exception):
+            on_result(_failure(request.job_id, prompt_tokens, params))
+            return
+        final = None
+        try:
+            async for output in self._engine.generate(
+                    {"prompt_token_ids": request.prompt_token_ids}, params, request.job_id):
+                final = output
+        except Exception as error:
+            log.warning("job %s failed in the engine: %s", request.job_id, error)
+            on_result(_failure(request.job_id, prompt_tokens, error))
+            return
+        if final is None or not final.outputs:
+            on_result(EngineResult(request.job_id, None, "aborted before any output",
+                                   prompt_tokens, 0, 0, time.time()))
+            return
+        completion = final.outputs[0]
+        on_result(EngineResult(request.job_id, completion.text, None, prompt_tokens,
+                               len(completion.token_ids), final.num_cached_tokens or 0,
+                               time.time()))
+
+
+def _failure(job_id: str, prompt_tokens: int, error: BaseException) -> EngineResult:
+    return EngineResult(job_id, None, f"{type(error).__name__}: {error}", prompt_tokens, 0, 0,
+                        time.time())

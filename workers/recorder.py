@@ -1,0 +1,134 @@
+"""Records finished jobs off the engine's path: one thread drains finished results, writes
+them in one transaction per drain, returns the shards' load, and only then releases the batch
+that waits for them (its message is acknowledged after that, so nothing finished is lost)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobsvc.affinity import ShardState
+from jobsvc.store import JobOutcome, Store
+
+log = logging.getLogger(__name__)
+
+_MAX_DRAIN = 1024
+_RETRY_SECONDS = (0.5, 1, 2, 5, 10)
+
+
+class Completion:
+    """Counts down as a batch's results are committed."""
+
+    def __init__(self, jobs: int) -> None:
+        self._left = jobs
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if jobs == 0:
+            self._done.set()
+
+    def committed(self, jobs: int) -> None:
+        with self._lock:
+            self._left -= jobs
+            if self._left <= 0:
+                self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+@dataclass
+class _Pending:
+    outcomes: list[JobOutcome] = field(default_factory=list)
+    releases: dict[int, int] = field(default_factory=dict)
+    completions: dict[int, tuple[Completion, int]] = field(default_factory=dict)
+    batch_stats: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ResultRecorder:
+    def __init__(self, store: Store, shard_state: ShardState,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self._store = store
+        self._shard_state = shard_state
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
+        self._sleep = sleep
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Write everything queued so far, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def job_finished(self, outcome: JobOutcome, shard: int, prefill: int,
+                     completion: Completion) -> None:
+        self._queue.put(("job", (outcome, shard, prefill, completion)))
+
+    def batch_finished(self, row: dict[str, Any]) -> None:
+        self._queue.put(("batch", row))
+
+    def release_load(self, shard: int, tokens: int) -> None:
+        """Return the load of jobs that will not run (cancelled while queued)."""
+        self._queue.put(("release", (shard, tokens)))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            pending = _Pending()
+            stopping = item is None
+            while item is not None:
+                self._add(pending, item)
+                if len(pending.outcomes) >= _MAX_DRAIN:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                stopping = stopping or item is None
+            self._write(pending)
+            if stopping:
+                return
+
+    @staticmethod
+    def _add(pending: _Pending, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "batch":
+            pending.batch_stats.append(payload)
+            return
+        if kind == "release":
+            shard, tokens = payload
+            pending.releases[shard] = pending.releases.get(shard, 0) + tokens
+            return
+        outcome, shard, prefill, completion = payload
+        pending.outcomes.append(outcome)
+        pending.releases[shard] = pending.releases.get(shard, 0) + prefill
+        known, count = pending.completions.get(id(completion), (completion, 0))
+        pending.completions[id(completion)] = (known, count + 1)
+
+    def _write(self, pending: _Pending) -> None:
+        """Write until it succeeds: a database outage delays results, it never drops them."""
+        for attempt in itertools.count():
+            try:
+                if pending.outcomes:
+                    self._store.record_outcomes(pending.outcomes)
+                self._store.record_batch_stats(pending.batch_stats)
+                break
+            except Exception as error:
+                delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
+                reason = str(error).splitlines()[0][:300]
+                log.warning("recording %d results failed (%s: %s); retrying in %.1f s",
+                            len(pending.outcomes), type(error).__name__, reason, delay)
+                self._sleep(delay)
+        try:
+            self._shard_state.release(pending.releases)
+        except Exception as error:
+            log.warning("could not return shard load %s: %s", pending.releases, error)
+        for completion, count in pending.completions.values():
+            completion.committed(count)

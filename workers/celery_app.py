@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
-import threading
 from typing import Any
 
 import redis
@@ -57,6 +57,7 @@ class WorkerRuntime:
         self._engine = EngineAdapter(engine_args(settings))
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        self._listener: Any = None
 
     def start(self) -> None:
         self._engine.start()
@@ -65,14 +66,15 @@ class WorkerRuntime:
                                   store=self._store, engine=self._engine,
                                   recorder=self._recorder)
         self._pubsub.subscribe(**{CANCEL_CHANNEL: self._on_cancel})
-        threading.Thread(target=self._pubsub.run, name="cancel-listener", daemon=True).start()
+        self._listener = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True)
 
     def _on_cancel(self, message: dict[str, Any]) -> None:
         if self.runner is not None:
             self.runner.abort_if_running(message["data"].decode())
 
     def stop(self) -> None:
-        self._pubsub.close()
+        if self._listener is not None:
+            self._listener.stop()
         self._recorder.stop()
         self._engine.shutdown()
         self._store.dispose()
@@ -99,7 +101,13 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
 
     def on_init(**_: Any) -> None:
         log.info("shard %d: starting the engine on queue %s", shard, queue_name(shard))
-        runtime.start()
+        try:
+            runtime.start()
+        except Exception:
+            # Celery logs and ignores errors in signal handlers; a worker without its engine
+            # must not consume (it would fail every batch), so leave at once instead.
+            log.exception("shard %d: start-up failed; exiting", shard)
+            os._exit(3)
 
     def on_ready(**_: Any) -> None:
         # Start-up objects (engine, model config, imports) will never be garbage: keep the

@@ -1,0 +1,66 @@
+"""Shared fixtures: a fresh PostgreSQL database and Redis database per test session, and one
+real worker (Celery + vLLM CPU engine + tiny model) started once, because it takes ~25 s."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from jobsvc import Client
+from jobsvc.local import LocalWorkers
+from jobsvc.migrate import upgrade_to_head
+from jobsvc.settings import Settings
+
+POSTGRES_ADMIN_URL = os.environ.get("JOBSVC_TEST_POSTGRES_ADMIN_URL",
+                                    "postgresql://postgres@127.0.0.1:5432/postgres")
+TEST_DATABASE = "jobsvc_test"
+# The worker's Redis database, and a second one for routing tests that need shards no worker
+# consumes (their queues just fill up and are dropped).
+WORKER_REDIS_URL = os.environ.get("JOBSVC_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+ROUTING_REDIS_URL = WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14"
+
+
+def _recreate_database() -> str:
+    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f"DROP DATABASE IF EXISTS {TEST_DATABASE} WITH (FORCE)")
+        connection.execute(f"CREATE DATABASE {TEST_DATABASE}")
+    return POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{TEST_DATABASE}"
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    database_url = _recreate_database()
+    upgrade_to_head(database_url)
+    for url in (WORKER_REDIS_URL, ROUTING_REDIS_URL):
+        redis.Redis.from_url(url).flushdb()
+    return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
+                             worker_concurrency=4, log_level="INFO")
+
+
+@pytest.fixture(scope="session")
+def worker(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalWorkers]:
+    log_dir: Path = tmp_path_factory.mktemp("worker-logs")
+    workers = LocalWorkers(settings, log_dir, startup_timeout=300)
+    workers.start()
+    yield workers
+    workers.stop()
+
+
+@pytest.fixture()
+def client(settings: Settings, worker: LocalWorkers) -> Iterator[Client]:
+    with Client(settings=settings) as producer:
+        yield producer
+
+
+@pytest.fixture()
+def routing_settings(settings: Settings) -> Iterator[Settings]:
+    """Settings with 8 shards on a Redis database that no worker consumes."""
+    routed = replace(settings, redis_url=ROUTING_REDIS_URL, shards=8)
+    yield routed
+    redis.Redis.from_url(ROUTING_REDIS_URL).flushdb()

@@ -1,0 +1,106 @@
+"""The whole job path on real parts: producer → Redis → Celery worker with vLLM → PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from sqlalchemy import select
+
+from jobsvc import Client, JobNotFound, JobStatus
+from jobsvc.compression import is_zstd_frame
+from jobsvc.local import LocalWorkers
+from jobsvc.store import Result, Store
+from jobsvc.workloads import document, document_questions, question
+
+TIMEOUT = 180
+
+
+def test_submitted_jobs_succeed_with_answers_and_token_counts(client: Client) -> None:
+    jobs = document_questions(documents=3, questions_per_document=2, words_per_document=300,
+                              seed=11)
+    ids = client.submit_many({"document": job.document, "question": job.question,
+                              "max_tokens": 12, "ignore_eos": True} for job in jobs)
+    records = client.wait(ids, timeout=TIMEOUT)
+    assert [record.job_id for record in records] == ids
+    for record in records:
+        assert record.status is JobStatus.SUCCEEDED, record.error
+        assert record.answer
+        assert record.prompt_tokens > 300
+        assert record.completion_tokens == 12
+        assert record.cached_tokens is not None
+        assert record.submitted_at <= record.started_at <= record.finished_at
+
+
+def test_single_submit_returns_an_id_that_get_resolves(client: Client) -> None:
+    rng = random.Random(5)
+    job_id = client.submit(document(rng, 120), question(rng), max_tokens=4)
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
+    assert record.status is JobStatus.SUCCEEDED
+    assert client.get(job_id) == record
+
+
+def test_questions_on_one_document_share_a_shard_and_hit_the_prefix_cache(
+        client: Client) -> None:
+    rng = random.Random(21)
+    text = document(rng, 700)
+    ids = client.submit_many({"document": text, "question": question(rng), "max_tokens": 4}
+                             for _ in range(5))
+    records = client.wait(ids, timeout=TIMEOUT)
+    assert len({record.shard for record in records}) == 1
+    assert all(record.status is JobStatus.SUCCEEDED for record in records)
+    cached = sorted(record.cached_tokens or 0 for record in records)
+    # The first question computes the document; every later one is served from the cache.
+    assert all(tokens > 0 for tokens in cached[1:]), cached
+
+
+def test_stored_answers_are_zstd_frames(client: Client) -> None:
+    rng = random.Random(8)
+    job_id = client.submit(document(rng, 100), question(rng), max_tokens=6)
+    client.wait([job_id], timeout=TIMEOUT)
+    store = Store(client.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        raw = connection.execute(
+            select(Result.answer_zst).where(Result.job_id == job_id)).scalar_one()
+    store.dispose()
+    assert is_zstd_frame(raw)
+
+
+def test_unknown_job_id_raises_job_not_found(client: Client) -> None:
+    with pytest.raises(JobNotFound):
+        client.get("0" * 32)
+    with pytest.raises(JobNotFound):
+        client.cancel("0" * 32)
+    with pytest.raises(JobNotFound):
+        client.wait(["0" * 32], timeout=1)
+
+
+def test_cancelled_job_ends_cancelled_and_stays_so(client: Client) -> None:
+    rng = random.Random(13)
+    job_id = client.submit(document(rng, 200), question(rng), max_tokens=200,
+                           ignore_eos=True)
+    assert client.cancel(job_id) is True
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
+    assert record.status is JobStatus.CANCELLED
+    assert record.answer is None
+    assert client.cancel(job_id) is False
+
+
+def test_cancelling_a_running_job_aborts_it_in_the_engine(client: Client,
+                                                          worker: LocalWorkers) -> None:
+    rng = random.Random(17)
+    job_id = client.submit(document(rng, 100), question(rng), max_tokens=3000,
+                           ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while client.get(job_id).status is JobStatus.QUEUED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.get(job_id).status is JobStatus.RUNNING
+    assert client.cancel(job_id) is True
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
+    assert record.status is JobStatus.CANCELLED
+    deadline = time.monotonic() + 30
+    while f"aborts cancelled job {job_id}" not in worker.log_path(0).read_text(
+            errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"aborts cancelled job {job_id}" in worker.log_path(0).read_text(errors="replace")

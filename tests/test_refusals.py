@@ -1,0 +1,124 @@
+"""Bad input is refused at submit time with InvalidJob and leaves no trace; messages that are
+not ours are refused by the worker, which keeps serving real jobs."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from jobsvc import Client, InvalidJob, JobStatus
+from jobsvc.affinity import AFFINITY_KEY
+from jobsvc.local import LocalWorkers
+from jobsvc.routing import queue_name
+from jobsvc.store import Job, Store
+from jobsvc.transport import RUN_BATCH_TASK
+from jobsvc.workloads import document, question
+
+GOOD_DOCUMENT = "A short document about the lighthouse keeper and her seven cats."
+GOOD_QUESTION = "How many cats are there?"
+
+BAD_JOBS: list[tuple[str, dict[str, Any]]] = [
+    ("document", {"document": ""}),
+    ("document", {"document": "   \n\t"}),
+    ("document", {"document": None}),
+    ("document", {"document": b"bytes are not text"}),
+    ("document", {"document": 42}),
+    ("question", {"question": ""}),
+    ("question", {"question": ["a", "list"]}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": -5}),
+    ("max_tokens", {"max_tokens": 2.5}),
+    ("max_tokens", {"max_tokens": True}),
+    ("temperature", {"temperature": -0.1}),
+    ("temperature", {"temperature": float("nan")}),
+    ("temperature", {"temperature": "hot"}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_p", {"top_p": 0}),
+    ("unknown sampling key", {"beam_width": 4}),
+    ("stop", {"stop": "not-a-list"}),
+    ("min_tokens", {"min_tokens": 50, "max_tokens": 10}),
+    ("context", {"max_tokens": 5000}),
+    ("context", {"document": "lighthouse " * 6000}),
+]
+
+
+def _trace(store: Store, url: str) -> tuple[int, dict[str, int], int]:
+    with store.engine.connect() as connection:
+        jobs = connection.execute(select(func.count()).select_from(Job)).scalar_one()
+    broker = redis.Redis.from_url(url)
+    queues = {key.decode(): broker.llen(key) for key in broker.keys("jobs.shard.*")}
+    return jobs, queues, broker.hlen(AFFINITY_KEY)
+
+
+@pytest.mark.parametrize(("field", "change"), BAD_JOBS,
+                         ids=[f"{field}-{index}" for index, (field, _) in enumerate(BAD_JOBS)])
+def test_bad_input_raises_invalid_job_naming_the_field_and_leaves_no_trace(
+        routing_settings, field: str, change: dict[str, Any]) -> None:
+    store = Store(routing_settings.resolved_database_url)
+    with Client(settings=routing_settings) as client:
+        before = _trace(store, routing_settings.redis_url)
+        job = {"document": GOOD_DOCUMENT, "question": GOOD_QUESTION, **change}
+        with pytest.raises(InvalidJob) as raised:
+            client.submit_many([{"document": GOOD_DOCUMENT, "question": GOOD_QUESTION}, job])
+        assert field.split()[0] in str(raised.value)
+        assert str(raised.value).startswith("job 1:")
+        assert _trace(store, routing_settings.redis_url) == before
+    store.dispose()
+
+
+def test_submit_refuses_a_non_mapping_job(routing_settings) -> None:
+    with Client(settings=routing_settings) as client, pytest.raises(InvalidJob, match="mapping"):
+        client.submit_many(["just a string"])
+
+
+def _push_raw(url: str, queue: str, envelope: dict[str, Any]) -> None:
+    redis.Redis.from_url(url).lpush(queue, json.dumps(envelope))
+
+
+def _envelope(body: str, content_type: str, task: str = RUN_BATCH_TASK,
+              encoding: str = "utf-8") -> dict[str, Any]:
+    """A kombu/Celery message envelope as the Redis transport stores it."""
+    task_id = str(uuid.uuid4())
+    return {
+        "body": body, "content-encoding": encoding, "content-type": content_type,
+        "headers": {"lang": "py", "task": task, "id": task_id, "root_id": task_id,
+                    "parent_id": None, "group": None, "retries": 0, "argsrepr": "",
+                    "kwargsrepr": "", "origin": "test", "ignore_result": True},
+        "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
+                       "delivery_info": {"exchange": "", "routing_key": queue_name(0)},
+                       "priority": 0, "body_encoding": "utf-8",
+                       "delivery_tag": str(uuid.uuid4())},
+    }
+
+
+def test_worker_refuses_foreign_messages_and_keeps_serving(client: Client,
+                                                           worker: LocalWorkers) -> None:
+    url = client.settings.redis_url
+    queue = queue_name(0)
+    wrong_schema = json.dumps([[{"v": 99, "jobs": "nope"}], {}, {}])
+    hostile = [
+        _envelope("{this is not json", "application/json"),
+        _envelope("gANdcQAu", "application/x-python-serialize", encoding="binary"),
+        _envelope(wrong_schema, "application/json"),
+        _envelope(json.dumps([[{"v": 1, "shard": 0, "documents": {"d": [1, 2]},
+                                "jobs": [["x", "missing-doc", [3], {}, 1]]}], {}, {}]),
+                  "application/json"),
+        _envelope(json.dumps([[], {}, {}]), "application/json"),
+        _envelope(json.dumps([[1], {}, {}]), "application/json", task="not.our.task"),
+    ]
+    for envelope in hostile:
+        _push_raw(url, queue, envelope)
+    rng = random.Random(3)
+    job_id = client.submit(document(rng, 80), question(rng), max_tokens=4)
+    (record,) = client.wait([job_id], timeout=180)
+    assert record.status is JobStatus.SUCCEEDED
+    assert all(process.poll() is None for process in worker.processes)
+    assert redis.Redis.from_url(url).llen(queue) == 0
+    log = worker.log_path(0).read_text(errors="replace")
+    assert "refused a message" in log

@@ -8,11 +8,10 @@ A claim is HSETNX, so two producers racing on one new document agree on whoever 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import redis
 
-from jobsvc.routing import least_loaded
+from jobsvc.routing import DocumentDemand, Placement, least_loaded
 
 AFFINITY_KEY = "jobsvc:affinity"
 LOAD_KEY = "jobsvc:load"
@@ -26,22 +25,6 @@ for i = 1, #ARGV, 2 do
 end
 return 1
 """
-
-
-@dataclass(frozen=True)
-class DocumentDemand:
-    """What routing one document costs: its prefix key and the prefill tokens its jobs add
-    to a shard that has never seen it versus one that already holds it."""
-
-    prefix_key: str
-    cost_if_new: int
-    cost_if_known: int
-
-
-@dataclass(frozen=True)
-class Placement:
-    shard: int
-    is_new: bool
 
 
 class ShardState:

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from jobsvc.errors import JobsvcError
 from jobsvc.settings import Settings
@@ -33,6 +34,20 @@ def _demo(settings: Settings, args: argparse.Namespace) -> None:
     from jobsvc.demo import run_demo
 
     run_demo(settings, documents=args.documents, questions=args.questions, words=args.words)
+
+
+def _bench(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.bench import BenchOptions, run_bench
+
+    # Standard output is for the JSON result; the in-process engines log to standard error.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+    options = BenchOptions(workload=args.workload, shards=args.shards, trials=args.trials,
+                           words=args.words, output_tokens=args.output_tokens,
+                           json_path=args.json, plot_path=args.plot)
+    result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
+    summary = {key: value for key, value in result.items() if key != "pairs"}
+    print(json.dumps(summary, indent=2))
 
 
 def _stats(settings: Settings, _args: argparse.Namespace) -> None:
@@ -62,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--questions", type=int, default=4, help="questions per document")
     demo.add_argument("--words", type=int, default=500, help="words per document")
     demo.set_defaults(run=_demo)
+    bench = commands.add_parser(
+        "bench", help="service vs standalone vLLM in alternated pairs; JSON on stdout")
+    bench.add_argument("--workload", default="reuse", help="unique, reuse or PATH.jsonl")
+    bench.add_argument("--shards", type=int, default=1)
+    bench.add_argument("--trials", type=int, default=7, help="alternated pairs")
+    bench.add_argument("--words", type=int, default=520,
+                       help="words per generated document (520 is about 1,500 tokens)")
+    bench.add_argument("--output-tokens", type=int, default=16)
+    bench.add_argument("--json", type=Path, help="write the full result here")
+    bench.add_argument("--plot", type=Path, help="write a PNG of the pairs here")
+    bench.set_defaults(run=_bench)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")

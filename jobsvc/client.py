@@ -12,11 +12,11 @@ from typing import Any
 import redis
 
 from jobsvc import compression
-from jobsvc.affinity import DocumentDemand, ShardState
+from jobsvc.affinity import ShardState
 from jobsvc.batching import form_batches
 from jobsvc.errors import InvalidJob, JobNotFound
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing import DocumentKeys, document_keys
+from jobsvc.routing import DocumentKeys, Placement, document_demands, document_keys
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -191,17 +191,11 @@ class Client:
 
     def _place(self, requests: Sequence[JobRequest], keys: Mapping[str, DocumentKeys],
                document_tokens: Mapping[str, list[int]],
-               question_tokens: Sequence[list[int]]) -> dict[str, Any]:
+               question_tokens: Sequence[list[int]]) -> dict[str, Placement]:
         """Route each distinct prefix once, charging its jobs' expected prefill work."""
-        known_cost: dict[str, int] = {}
-        new_extra: dict[str, int] = {}
-        for request, tokens in zip(requests, question_tokens, strict=True):
-            doc = keys[request.document]
-            uncached = len(document_tokens[request.document]) + len(tokens) - doc.cacheable_tokens
-            known_cost[doc.prefix_key] = known_cost.get(doc.prefix_key, 0) + uncached
-            new_extra[doc.prefix_key] = doc.cacheable_tokens
-        demands = [DocumentDemand(key, cost + new_extra[key], cost)
-                   for key, cost in known_cost.items()]
+        demands = document_demands([
+            (keys[request.document], len(document_tokens[request.document]) + len(tokens))
+            for request, tokens in zip(requests, question_tokens, strict=True)])
         placements = self._shard_state.place(demands)
         return {demand.prefix_key: placement
                 for demand, placement in zip(demands, placements, strict=True)}

@@ -49,6 +49,47 @@ def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
     return DocumentKeys(prefix.hex(), whole.hex(), full)
 
 
+@dataclass(frozen=True)
+class DocumentDemand:
+    """What routing one document costs: its prefix key and the prefill tokens its jobs add
+    to a shard that has never seen it versus one that already holds it."""
+
+    prefix_key: str
+    cost_if_new: int
+    cost_if_known: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    shard: int
+    is_new: bool
+
+
+def document_demands(jobs: Sequence[tuple[DocumentKeys, int]]) -> list[DocumentDemand]:
+    """One demand per distinct prefix, in first-seen order, from (document keys, prompt
+    tokens) per job: every job pays its uncached tokens, and a shard new to the document
+    also computes the document's cacheable blocks once."""
+    known_cost: dict[str, int] = {}
+    cacheable: dict[str, int] = {}
+    for keys, prompt_tokens in jobs:
+        known_cost[keys.prefix_key] = (known_cost.get(keys.prefix_key, 0)
+                                       + prompt_tokens - keys.cacheable_tokens)
+        cacheable[keys.prefix_key] = keys.cacheable_tokens
+    return [DocumentDemand(key, cost + cacheable[key], cost) for key, cost in known_cost.items()]
+
+
+def plan_from_scratch(demands: Sequence[DocumentDemand], shards: int) -> list[int]:
+    """The shards `ShardState.place` picks for these demands when no shard holds anything
+    yet and none has outstanding work (a benchmark's standalone arm follows this plan)."""
+    loads = [0] * shards
+    plan = []
+    for demand in demands:
+        shard = least_loaded(loads)
+        loads[shard] += demand.cost_if_new
+        plan.append(shard)
+    return plan
+
+
 def least_loaded(loads: Sequence[int]) -> int:
     """The shard with the least outstanding prefill work; ties go to the lowest index."""
     return min(range(len(loads)), key=loads.__getitem__)

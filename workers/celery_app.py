@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.worker.control import control_command
 
 from jobsvc.affinity import ShardState
 from jobsvc.client import CANCEL_CHANNEL
@@ -20,25 +21,11 @@ from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
 from workers.batch import BatchRunner
-from workers.engine import EngineAdapter
+from workers.engine import EngineAdapter, engine_args
+from workers.gcpause import GcPauseMeter
 from workers.recorder import ResultRecorder
 
 log = logging.getLogger(__name__)
-
-
-def engine_args(settings: Settings) -> dict[str, Any]:
-    args: dict[str, Any] = {
-        "model": settings.model,
-        "load_format": settings.load_format,
-        "enforce_eager": settings.enforce_eager,
-        "enable_prefix_caching": True,
-        "block_size": settings.block_size,
-        "disable_log_stats": False,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
-    }
-    if settings.max_model_len:
-        args["max_model_len"] = settings.max_model_len
-    return args
 
 
 def worker_name(shard: int) -> str:
@@ -52,18 +39,19 @@ class WorkerRuntime:
         self.settings = settings
         self.shard = shard
         self.runner: BatchRunner | None = None
+        self.gc_pauses = GcPauseMeter()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         self._store = Store(settings.resolved_database_url)
-        self._engine = EngineAdapter(engine_args(settings))
+        self.engine = EngineAdapter(engine_args(settings))
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         self._listener: Any = None
 
     def start(self) -> None:
-        self._engine.start()
+        self.engine.start()
         self._recorder.start()
         self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
-                                  store=self._store, engine=self._engine,
+                                  store=self._store, engine=self.engine,
                                   recorder=self._recorder)
         self._pubsub.subscribe(**{CANCEL_CHANNEL: self._on_cancel})
         self._listener = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True)
@@ -76,7 +64,7 @@ class WorkerRuntime:
         if self._listener is not None:
             self._listener.stop()
         self._recorder.stop()
-        self._engine.shutdown()
+        self.engine.shutdown()
         self._store.dispose()
 
 
@@ -113,10 +101,21 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         # Start-up objects (engine, model config, imports) will never be garbage: keep the
         # collector from scanning them again during every generation-2 pass.
         gc.freeze()
+        runtime.gc_pauses.install()
         log.info("shard %d ready; %d objects frozen", shard, gc.get_freeze_count())
 
     def on_shutdown(**_: Any) -> None:
         runtime.stop()
+
+    # Remote-control commands for benchmarks: `app.control.broadcast(name, reply=True)`.
+    @control_command()
+    def reset_prefix_cache(_state: Any) -> dict[str, bool]:
+        runtime.engine.reset_prefix_cache()
+        return {"ok": True}
+
+    @control_command()
+    def take_gc_pauses(_state: Any) -> dict[str, float]:
+        return runtime.gc_pauses.take()
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

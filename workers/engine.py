@@ -13,11 +13,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,22 @@ class EngineResult:
     completion_tokens: int
     cached_tokens: int
     finished_at: float
+
+
+def engine_args(settings: Settings) -> dict[str, Any]:
+    """vLLM engine arguments from settings: prefix caching on, block size shared with routing."""
+    args: dict[str, Any] = {
+        "model": settings.model,
+        "load_format": settings.load_format,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": True,
+        "block_size": settings.block_size,
+        "disable_log_stats": False,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+    }
+    if settings.max_model_len:
+        args["max_model_len"] = settings.max_model_len
+    return args
 
 
 class EngineAdapter:
@@ -74,14 +93,24 @@ class EngineAdapter:
         """Admit a batch; `on_result` is called on the loop thread as each job ends."""
         return asyncio.run_coroutine_threadsafe(self._run_batch(requests, on_result), self._loop)
 
+    def schedule(self, function: Callable[[Any], Coroutine[Any, Any, T]]
+                 ) -> concurrent.futures.Future[T]:
+        """Run `function(engine)` on the engine's loop; the future holds its result."""
+        return asyncio.run_coroutine_threadsafe(function(self._engine), self._loop)
+
+    def reset_prefix_cache(self) -> None:
+        self.schedule(lambda engine: engine.reset_prefix_cache()).result()
+
     def abort(self, job_id: str) -> None:
         asyncio.run_coroutine_threadsafe(self._engine.abort(job_id), self._loop)
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._loop.call_soon_threadsafe(self._engine.shutdown)
+        """Stop the loop, then the engine and its processes."""
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
 
     async def _run_batch(self, requests: Sequence[EngineRequest],
                          on_result: Callable[[EngineResult], None]) -> None:

@@ -1,0 +1,367 @@
+"""`jobsvc bench`: finite bursts through the service and through standalone vLLM on the same
+engines, in alternated pairs, with throughput, CPU-seconds per job and cache figures as JSON.
+
+Both arms share the machine, the engine configuration, the shard count, the documents and the
+document-to-engine assignment; each pair reverses the order of the previous one, and every
+trial starts from a cold prefix cache. Wall-clock throughput on a shared 2-core machine varies
+by several percent between runs; CPU-seconds per job, summed over every process an arm uses,
+is the steadier measure of what the service costs on top of the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from jobsvc.affinity import AFFINITY_KEY, LOAD_KEY
+from jobsvc.client import Client
+from jobsvc.errors import InvalidJob
+from jobsvc.local import LocalWorkers
+from jobsvc.measure import (
+    ArmResult,
+    Pair,
+    cpu_seconds_used,
+    ideal_hit_rate,
+    percentile,
+    summarize_pairs,
+)
+from jobsvc.migrate import upgrade_to_head
+from jobsvc.prompts import PromptBuilder
+from jobsvc.routing import document_demands, document_keys, plan_from_scratch
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from jobsvc.transport import make_celery
+from jobsvc.workloads import document_questions
+
+log = logging.getLogger(__name__)
+
+NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
+SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: str = "reuse"
+    shards: int = 1
+    trials: int = 7
+    words: int = 520  # about 1,500 tokens of the tiny model's tokenizer
+    output_tokens: int = 16
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    log_dir: Path = Path("bench-logs")
+
+
+def load_jsonl(path: Path) -> list[dict[str, Any]]:
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        if not isinstance(job, dict) or "document" not in job or "question" not in job:
+            raise InvalidJob(f"{path}:{number}: each line needs a document and a question")
+        jobs.append(job)
+    return jobs
+
+
+def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
+    """The jobs of one trial: named workloads get fresh documents per trial, JSONL files
+    replay the same jobs (the prefix caches are reset between trials either way)."""
+    fixed = {"max_tokens": options.output_tokens, "ignore_eos": True, "temperature": 0.0}
+    if options.workload in NAMED_WORKLOADS:
+        documents, questions = NAMED_WORKLOADS[options.workload]
+        generated = document_questions(documents, questions, options.words, seed=1000 + trial)
+        return [{"document": job.document, "question": job.question, **fixed}
+                for job in generated]
+    return [{**fixed, **job} for job in load_jsonl(Path(options.workload))]
+
+
+@dataclass
+class _Shape:
+    """What a trial's jobs look like to the router, computed outside the timed region."""
+
+    shard_of_job: list[int]
+    ideal_hit_rate: float
+    bytes_raw: int
+
+
+def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, settings: Settings
+           ) -> _Shape:
+    distinct = list(dict.fromkeys(job["document"] for job in jobs))
+    tokens = dict(zip(distinct, prompts.documents(distinct), strict=True))
+    questions = prompts.questions([job["question"] for job in jobs])
+    keys = {text: document_keys(tokens[text], settings.block_size) for text in distinct}
+    per_job = [(keys[job["document"]], len(tokens[job["document"]]) + len(question))
+               for job, question in zip(jobs, questions, strict=True)]
+    demands = document_demands(per_job)
+    plan = dict(zip((demand.prefix_key for demand in demands),
+                    plan_from_scratch(demands, settings.shards), strict=True))
+    return _Shape(
+        shard_of_job=[plan[doc.prefix_key] for doc, _ in per_job],
+        ideal_hit_rate=ideal_hit_rate(
+            [(doc.document_key, len(tokens[job["document"]]), prompt)
+             for job, (doc, prompt) in zip(jobs, per_job, strict=True)], settings.block_size),
+        bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
+
+
+def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool) -> dict[int, float]:
+    times: dict[int, float] = {}
+    for root in roots:
+        try:
+            members = [root, *root.children(recursive=True)] if descendants else [root]
+        except psutil.NoSuchProcess:
+            continue
+        for member in members:
+            try:
+                cpu = member.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            times[member.pid] = cpu.user + cpu.system
+    return times
+
+
+@dataclass
+class _Totals:
+    """Service-side figures accumulated over all trials."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    standalone_prompt_tokens: int = 0
+    standalone_cached_tokens: int = 0
+    shard_jobs: list[int] = field(default_factory=list)
+    admission_ms: list[float] = field(default_factory=list)
+    gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
+    bytes_enqueued: list[int] = field(default_factory=list)
+    failed: int = 0
+
+
+class _Bench:
+    def __init__(self, settings: Settings, options: BenchOptions,
+                 progress: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.options = options
+        self.progress = progress
+        devices = ["0-1"] if settings.shards == 1 else [str(s % 2) for s in range(settings.shards)]
+        self.workers = LocalWorkers(settings, options.log_dir, devices=list(devices))
+        self.devices = devices
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.celery = make_celery(settings)
+        self.prompts = PromptBuilder(settings.model, settings.max_model_len)
+        self.totals = _Totals(shard_jobs=[0] * settings.shards)
+
+    def service_roots(self) -> list[psutil.Process]:
+        return [psutil.Process(process.pid) for process in self.workers.processes]
+
+    def server_processes(self) -> list[psutil.Process]:
+        return [process for process in psutil.process_iter(["name"])
+                if process.info["name"] in SERVER_PROCESS_NAMES]
+
+    def service_cpu(self) -> dict[int, float]:
+        return {**_tree_cpu([psutil.Process()], descendants=False),
+                **_tree_cpu(self.service_roots(), descendants=True),
+                **_tree_cpu(self.server_processes(), descendants=False)}
+
+    def standalone_cpu(self) -> dict[int, float]:
+        service = set(_tree_cpu(self.service_roots(), descendants=True))
+        return {pid: seconds
+                for pid, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
+                if pid not in service}
+
+    def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+                    record: bool = True) -> ArmResult:
+        self.redis.delete(AFFINITY_KEY, LOAD_KEY)
+        self.celery.control.broadcast("reset_prefix_cache", reply=True, timeout=10)
+        self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5)
+        before = self.service_cpu()
+        bytes_before = self.redis.info("stats")["total_net_input_bytes"]
+        started = time.time()
+        ids = client.submit_many(jobs)
+        bytes_after = self.redis.info("stats")["total_net_input_bytes"]
+        while client.pending(ids):
+            time.sleep(0.25)
+        cpu = cpu_seconds_used(before, self.service_cpu())
+        records = client.wait(ids)
+        finished = max(_timestamp(record.finished_at) for record in records)
+        if record:
+            totals = self.totals
+            totals.bytes_enqueued.append(bytes_after - bytes_before)
+            totals.failed += sum(r.status is not JobStatus.SUCCEEDED for r in records)
+            totals.prompt_tokens += sum(r.prompt_tokens for r in records)
+            totals.cached_tokens += sum(r.cached_tokens or 0 for r in records)
+            for r in records:
+                totals.shard_jobs[r.shard] += 1
+                totals.admission_ms.append(
+                    (_timestamp(r.started_at) - _timestamp(r.submitted_at)) * 1000)
+            for reply in self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5):
+                for worker, reading in reply.items():
+                    totals.gc_pause_max_ms[worker] = max(
+                        totals.gc_pause_max_ms.get(worker, 0.0), reading["gc_pause_max_ms"])
+            mismatched = sum(r.shard != planned
+                             for r, planned in zip(records, shape.shard_of_job, strict=True))
+            if mismatched:
+                log.warning("%d jobs routed differently from the standalone plan", mismatched)
+        return ArmResult(len(ids), finished - started,
+                         sum(r.completion_tokens or 0 for r in records), cpu)
+
+    def run_standalone(self, engines: Any, jobs: list[dict[str, Any]], shape: _Shape,
+                       mode: str, record: bool = True) -> ArmResult:
+        per_engine: list[list[tuple[str, str]]] = [[] for _ in range(self.settings.shards)]
+        for job, shard in zip(jobs, shape.shard_of_job, strict=True):
+            per_engine[shard].append((job["document"], job["question"]))
+        sampling = {key: value for key, value in jobs[0].items()
+                    if key not in ("document", "question")}
+        before = self.standalone_cpu()
+        run = engines.run(per_engine, sampling, mode, in_flight=self.settings.batch_size
+                          * self.settings.worker_concurrency)
+        cpu = cpu_seconds_used(before, self.standalone_cpu())
+        if record:
+            self.totals.standalone_prompt_tokens += run.prompt_tokens
+            self.totals.standalone_cached_tokens += run.cached_tokens
+        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu)
+
+
+def _timestamp(moment: datetime | None) -> float:
+    if moment is None:
+        raise ValueError("a finished job without timestamps")
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def run_bench(settings: Settings, options: BenchOptions,
+              progress: Callable[[str], None] = print) -> dict[str, Any]:
+    settings = replace(settings, shards=options.shards)
+    upgrade_to_head(settings.resolved_database_url)
+    bench = _Bench(settings, options, progress)
+    from workers.standalone import ADMISSION_MODES, StandaloneEngines
+
+    progress(f"starting {settings.shards} service worker(s) and standalone engine(s)")
+    bench.workers.start()
+    engines = StandaloneEngines(settings, bench.devices)
+    try:
+        with Client(settings=bench.workers.settings) as client:
+            return _run_pairs(bench, client, engines, ADMISSION_MODES)
+    finally:
+        engines.shutdown()
+        bench.workers.stop()
+
+
+def _run_pairs(bench: _Bench, client: Client, engines: Any,
+               modes: Sequence[str]) -> dict[str, Any]:
+    options, progress = bench.options, bench.progress
+    warm = bench_jobs(options, trial=-1)[:16]
+    warm_shape = _shape(warm, bench.prompts, bench.settings)
+    bench.run_service(client, warm, warm_shape, record=False)
+    calibration_jobs = bench_jobs(options, trial=0)
+    calibration_shape = _shape(calibration_jobs, bench.prompts, bench.settings)
+    calibration = {mode: bench.run_standalone(engines, calibration_jobs, calibration_shape,
+                                              mode, record=False).requests_per_second
+                   for mode in modes}
+    mode = max(calibration, key=calibration.__getitem__)
+    progress(f"standalone admission: {mode} ({calibration})")
+
+    pairs: list[Pair] = []
+    ideal_rates: list[float] = []
+    bytes_raw: list[int] = []
+    for trial in range(1, options.trials + 1):
+        jobs = bench_jobs(options, trial)
+        shape = _shape(jobs, bench.prompts, bench.settings)
+        ideal_rates.append(shape.ideal_hit_rate)
+        bytes_raw.append(shape.bytes_raw)
+        service_first = trial % 2 == 0
+        if service_first:
+            service = bench.run_service(client, jobs, shape)
+            standalone = bench.run_standalone(engines, jobs, shape, mode)
+        else:
+            standalone = bench.run_standalone(engines, jobs, shape, mode)
+            service = bench.run_service(client, jobs, shape)
+        pair = Pair(standalone, service, service_first)
+        pairs.append(pair)
+        progress(f"pair {trial}/{options.trials}: service {service.requests_per_second:.2f} "
+                 f"req/s, standalone {standalone.requests_per_second:.2f} req/s, "
+                 f"ratio {pair.ratio:.4f}; CPU s/job {service.cpu_seconds_per_job:.4f} vs "
+                 f"{standalone.cpu_seconds_per_job:.4f}")
+    return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
+
+
+def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
+            ideal_rates: list[float], bytes_raw: list[int]) -> dict[str, Any]:
+    totals, options = bench.totals, bench.options
+    shard_jobs = totals.shard_jobs
+    mean_jobs = sum(shard_jobs) / len(shard_jobs)
+    result: dict[str, Any] = {
+        "workload": options.workload,
+        "shards": bench.settings.shards,
+        "trials": len(pairs),
+        "jobs_per_trial": pairs[0].service.jobs,
+        "output_tokens": options.output_tokens,
+        "standalone_admission": mode,
+        "admission_calibration_rps": calibration,
+        **summarize_pairs(pairs),
+        "hit_rate": totals.cached_tokens / max(totals.prompt_tokens, 1),
+        "standalone_hit_rate": (totals.standalone_cached_tokens
+                                / max(totals.standalone_prompt_tokens, 1)),
+        "ideal_hit_rate": sum(ideal_rates) / len(ideal_rates),
+        "shard_jobs": shard_jobs,
+        "load_max_over_mean": max(shard_jobs) / mean_jobs if mean_jobs else 0.0,
+        "bytes_raw": sum(bytes_raw) // len(bytes_raw),
+        "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
+        "gc_pause_max_ms": totals.gc_pause_max_ms,
+        "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
+                                  "p99": percentile(totals.admission_ms, 0.99)},
+        "service_jobs_not_succeeded": totals.failed,
+        "pairs": [{
+            "order": "service-first" if pair.service_first else "standalone-first",
+            "ratio": pair.ratio,
+            "standalone_rps": pair.standalone.requests_per_second,
+            "service_rps": pair.service.requests_per_second,
+            "standalone_tokens_per_s": pair.standalone.tokens_per_second,
+            "service_tokens_per_s": pair.service.tokens_per_second,
+            "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,
+            "service_cpu_s_per_job": pair.service.cpu_seconds_per_job,
+        } for pair in pairs],
+    }
+    if options.json_path:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if options.plot_path:
+        plot_pairs(result, options.plot_path)
+    return result
+
+
+def plot_pairs(result: dict[str, Any], path: Path) -> None:
+    """Per-pair throughput ratio and CPU-seconds per job of both arms, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    pairs = result["pairs"]
+    index = list(range(1, len(pairs) + 1))
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4))
+    left.plot(index, [pair["ratio"] for pair in pairs], "o-", label="service / standalone")
+    left.axhline(0.99, color="red", linestyle="--", label="0.99")
+    left.axhline(1.0, color="gray", linewidth=0.8)
+    left.set_xlabel("pair")
+    left.set_ylabel("throughput ratio")
+    left.set_title(f"{result['workload']}, {result['shards']} shard(s): "
+                   f"median {result['median_ratio']:.4f}")
+    left.legend()
+    width = 0.4
+    right.bar([i - width / 2 for i in index], [p["standalone_cpu_s_per_job"] for p in pairs],
+              width, label="standalone")
+    right.bar([i + width / 2 for i in index], [p["service_cpu_s_per_job"] for p in pairs],
+              width, label="service")
+    right.set_xlabel("pair")
+    right.set_ylabel("CPU seconds per job")
+    right.set_title(f"cpu_ratio {result['cpu_ratio']:.4f}")
+    right.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)

@@ -1,0 +1,298 @@
+"""Replay a workload over simulated shards to compare routing policies without GPUs.
+
+Each shard is a server that runs its queue in order, with an LRU cache of prefix blocks that
+decides the real hits; a job costs `prefill_cost` per prompt token its shard did not have cached
+plus `decode_cost` per output token. By default the whole workload is one burst at time 0, the
+way `submit_many` and the benchmarks send it: nothing finishes while jobs are routed, outstanding
+work only grows, and balance comes from the policy (its load weight and bound). With an arrival
+rate, job i arrives at i / rate and a shard's outstanding work is what its server has left then.
+
+Workloads are generated as block-id chains (ints, no tokenizer) or read from a JSONL file of
+jobs, tokenized and hashed the way the client does it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from jobsvc.errors import JobsvcError
+from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
+from jobsvc.settings import TINY_MODEL, Settings
+
+WORKLOAD_NAMES = ("unique", "reuse", "zipf", "hot", "shared-preamble")
+# Skew of the `zipf` workload: of 256 documents, the most asked one draws a fifth of the jobs.
+ZIPF_EXPONENT = 1.1
+
+# A job: its document's block chain, its prompt tokens, its output tokens.
+Job = tuple[Sequence[int], int, int]
+
+
+class WorkloadError(JobsvcError):
+    """A workload could not be built or read."""
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """Sizes of a generated workload; every prompt is one document plus a question tail."""
+
+    jobs: int = 10_000
+    # `unique` has one document per job whatever this says.
+    documents: int = 256
+    blocks_per_document: int = 12
+    block_size: int = 128
+    question_tokens: int = 16
+    output_tokens: int = 16
+    seed: int = 0
+    # `shared-preamble`: documents in consecutive groups of `group_size` share their first
+    # `preamble_blocks` blocks (a common preamble, or versions of one text).
+    preamble_blocks: int = 8
+    group_size: int = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    block_size: int
+    # Block ids are 0 .. block_ids - 1, so a bytearray can mark the ones already seen.
+    block_ids: int
+    # Consumed once; generated lazily so a million jobs take no list.
+    jobs: Iterable[Job]
+
+
+def generate(name: str, shape: WorkloadShape) -> Workload:
+    """The named synthetic workload, deterministic for a given shape and seed."""
+    if name not in WORKLOAD_NAMES:
+        raise WorkloadError(f"unknown workload {name!r}; use one of {', '.join(WORKLOAD_NAMES)} "
+                            "or the path of a .jsonl file")
+    documents = shape.jobs if name == "unique" else shape.documents
+    length = shape.blocks_per_document
+    if shape.jobs < 1 or documents < (2 if name == "hot" else 1) or length < 1:
+        raise WorkloadError(f"workload {name!r} needs jobs >= 1, blocks per document >= 1 and "
+                            f"documents >= {2 if name == 'hot' else 1}")
+    prompt_tokens = length * shape.block_size + shape.question_tokens
+    order = _document_order(name, shape.jobs, documents, random.Random(shape.seed))
+    if name == "shared-preamble":
+        chains, block_ids = _preamble_chains(documents, shape)
+        jobs: Iterator[Job] = ((chains[doc], prompt_tokens, shape.output_tokens)
+                               for doc in order)
+    else:
+        block_ids = documents * length
+        jobs = ((range(doc * length, doc * length + length), prompt_tokens, shape.output_tokens)
+                for doc in order)
+    return Workload(name, shape.block_size, block_ids, jobs)
+
+
+def _document_order(name: str, jobs: int, documents: int, rng: random.Random) -> Iterator[int]:
+    if name == "unique":
+        return iter(range(jobs))
+    if name == "zipf":
+        bounds = list(accumulate(1 / rank ** ZIPF_EXPONENT for rank in range(1, documents + 1)))
+        return (bisect_right(bounds, rng.random() * bounds[-1]) for _ in range(jobs))
+    if name == "hot":
+        return (0 if rng.random() < 0.5 else rng.randrange(1, documents) for _ in range(jobs))
+    return _rounds(jobs, documents, rng)
+
+
+def _rounds(jobs: int, documents: int, rng: random.Random) -> Iterator[int]:
+    """reuse, shared-preamble: every document is asked once per round, in a new order each
+    round, the way independent users would ask."""
+    order = list(range(documents))
+    for start in range(0, jobs, documents):
+        rng.shuffle(order)
+        yield from order[:jobs - start]
+
+
+def _preamble_chains(documents: int, shape: WorkloadShape) -> tuple[list[tuple[int, ...]], int]:
+    shared, length = shape.preamble_blocks, shape.blocks_per_document
+    if not 0 < shared < length or shape.group_size < 1:
+        raise WorkloadError("shared-preamble needs 0 < preamble blocks < blocks per document "
+                            "and a group size >= 1")
+    groups = -(-documents // shape.group_size)
+    own = length - shared
+    first_own = groups * shared
+    chains = [tuple(range(doc // shape.group_size * shared, (doc // shape.group_size + 1) * shared))
+              + tuple(range(first_own + doc * own, first_own + (doc + 1) * own))
+              for doc in range(documents)]
+    return chains, first_own + documents * own
+
+
+def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
+               model: str = str(TINY_MODEL)) -> Workload:
+    """Jobs from a JSONL file (`document`, `question`, optional `max_tokens` per line), with
+    prompts tokenized and block hashes chained exactly as the client does for the engine."""
+    from jobsvc.prompts import PromptBuilder
+    from jobsvc.routing import block_hashes
+
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise WorkloadError(f"{path}:{number}: not JSON ({error})") from None
+            if not (isinstance(row, dict) and isinstance(row.get("document"), str)
+                    and isinstance(row.get("question"), str)):
+                raise WorkloadError(f"{path}:{number}: each line must be an object with string "
+                                    "fields 'document' and 'question'")
+            rows.append(row)
+    if not rows:
+        raise WorkloadError(f"{path} has no jobs")
+    prompts = PromptBuilder(model)
+    distinct = list(dict.fromkeys(row["document"] for row in rows))
+    questions = prompts.questions([row["question"] for row in rows])
+    ids: dict[bytes, int] = {}
+    documents: dict[str, tuple[list[int], int]] = {}
+    for text, tokens in zip(distinct, prompts.documents(distinct), strict=True):
+        chain = [ids.setdefault(block, len(ids)) for block in block_hashes(tokens, block_size)]
+        documents[text] = (chain, len(tokens))
+    jobs: list[Job] = []
+    for row, question in zip(rows, questions, strict=True):
+        chain, document_tokens = documents[row["document"]]
+        jobs.append((chain, document_tokens + len(question),
+                     int(row.get("max_tokens", output_tokens))))
+    return Workload(path.name, block_size, len(ids), jobs)
+
+
+def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks: int,
+                   prefill_cost: int = 1, decode_cost: int = 20,
+                   arrival_rate: float | None = None, weight: float = DEFAULT_WEIGHT,
+                   epsilon: float = DEFAULT_EPSILON) -> dict[str, Any]:
+    """Route every job with `policy`, serve it on its shard, and report hits, balance and time.
+
+    The router is told each shard's cache size, as workers report it; its own estimate of what
+    the caches hold is left to the policy."""
+    if cache_blocks < 1 or shards < 1 or (arrival_rate is not None and arrival_rate <= 0):
+        raise WorkloadError("shards and cache blocks must be >= 1 and an arrival rate > 0")
+    started = time.perf_counter()
+    router = make_policy(policy, shards, block_size=workload.block_size,
+                         capacity_blocks=cache_blocks, weight=weight, epsilon=epsilon)
+    choose, charge, loads = router.choose, router.charge, router.loads
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(shards)]
+    seen = bytearray(workload.block_ids)
+    block_size = workload.block_size
+    shard_jobs = [0] * shards
+    shard_work = [0] * shards
+    # When each shard's server will have run everything queued on it so far.
+    done_at = [0.0] * shards
+    now = 0.0
+    jobs = hit_tokens = ideal_tokens = prompt_total = 0
+    for jobs, (chain, prompt_tokens, output_tokens) in enumerate(workload.jobs, 1):
+        if arrival_rate is not None:
+            now = (jobs - 1) / arrival_rate
+            loads[:] = [int(end - now) if end > now else 0 for end in done_at]
+        length = len(chain)
+        ideal = 0
+        while ideal < length and seen[chain[ideal]]:
+            ideal += 1
+        for block in chain[ideal:]:
+            seen[block] = 1
+
+        shard = choose(chain, prompt_tokens)
+        cache = caches[shard]
+        cached = 0
+        while cached < length and chain[cached] in cache:
+            cached += 1
+        # Last block first, so the prefix is the most recent and the tail is evicted first.
+        for block in reversed(chain[cached:]):
+            cache[block] = None
+        for block in reversed(chain[:cached]):
+            cache.move_to_end(block)
+        for _ in range(len(cache) - cache_blocks):
+            cache.popitem(last=False)
+
+        work = (prompt_tokens - cached * block_size) * prefill_cost + output_tokens * decode_cost
+        charge(shard, work)
+        shard_jobs[shard] += 1
+        shard_work[shard] += work
+        done_at[shard] = max(done_at[shard], now) + work
+        hit_tokens += cached * block_size
+        ideal_tokens += ideal * block_size
+        prompt_total += prompt_tokens
+    if not jobs:
+        raise WorkloadError(f"workload {workload.name!r} has no jobs")
+    mean_work = sum(shard_work) / shards
+    return {
+        "policy": policy, "workload": workload.name, "shards": shards, "jobs": jobs,
+        "block_size": block_size, "cache_blocks": cache_blocks,
+        "prefill_cost": prefill_cost, "decode_cost": decode_cost, "arrival_rate": arrival_rate,
+        "weight": weight, "epsilon": epsilon,
+        "hit_rate": hit_tokens / prompt_total,
+        "ideal_hit_rate": ideal_tokens / prompt_total,
+        "shard_jobs": shard_jobs, "shard_work": shard_work,
+        "load_max_over_mean": max(shard_work) / mean_work if mean_work else 1.0,
+        "makespan": max(done_at),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `jobsvc simulate`; defaults are those of WorkloadShape and run_simulation."""
+    shape = WorkloadShape()
+    parser.add_argument("--workload", required=True,
+                        help=f"{', '.join(WORKLOAD_NAMES)}, or a .jsonl file of jobs "
+                             "(document, question, optional max_tokens)")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
+    parser.add_argument("--json", type=Path, help="also write the report to this file")
+    parser.add_argument("--cache-blocks", type=int, default=1024,
+                        help="prefix cache capacity of each shard, in blocks")
+    parser.add_argument("--block-size", type=int,
+                        help="tokens per block (default: JOBSVC_BLOCK_SIZE)")
+    parser.add_argument("--prefill-cost", type=int, default=1, help="work per uncached token")
+    parser.add_argument("--decode-cost", type=int, default=20, help="work per output token")
+    parser.add_argument("--arrival-rate", type=float,
+                        help="jobs per unit of work time (default: one burst at time 0)")
+    parser.add_argument("--weight", type=float, default=DEFAULT_WEIGHT,
+                        help="cache_aware: cost per unit of outstanding work")
+    parser.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON,
+                        help="cache_aware: load bound slack over the mean")
+    generated = parser.add_argument_group("generated workloads")
+    generated.add_argument("--jobs", type=int, default=shape.jobs)
+    generated.add_argument("--documents", type=int, default=shape.documents)
+    generated.add_argument("--blocks-per-document", type=int, default=shape.blocks_per_document)
+    generated.add_argument("--question-tokens", type=int, default=shape.question_tokens)
+    generated.add_argument("--output-tokens", type=int, default=shape.output_tokens,
+                           help="also the default for JSONL lines without max_tokens")
+    generated.add_argument("--preamble-blocks", type=int, default=shape.preamble_blocks)
+    generated.add_argument("--group-size", type=int, default=shape.group_size,
+                           help="shared-preamble: documents per preamble")
+    generated.add_argument("--seed", type=int, default=shape.seed)
+
+
+def run_from_args(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the workload the options name, run it, and write the report if asked."""
+    block_size = args.block_size or settings.block_size
+    if args.workload.endswith(".jsonl"):
+        path = Path(args.workload)
+        if not path.is_file():
+            raise WorkloadError(f"workload file {path} does not exist")
+        workload = load_jsonl(path, block_size=block_size, output_tokens=args.output_tokens,
+                              model=settings.model)
+        shape = None
+    else:
+        shape = WorkloadShape(
+            jobs=args.jobs, documents=args.documents, blocks_per_document=args.blocks_per_document,
+            block_size=block_size, question_tokens=args.question_tokens,
+            output_tokens=args.output_tokens, seed=args.seed,
+            preamble_blocks=args.preamble_blocks, group_size=args.group_size)
+        workload = generate(args.workload, shape)
+    report = run_simulation(workload, shards=args.shards, policy=args.policy,
+                            cache_blocks=args.cache_blocks, prefill_cost=args.prefill_cost,
+                            decode_cost=args.decode_cost, arrival_rate=args.arrival_rate,
+                            weight=args.weight, epsilon=args.epsilon)
+    report["shape"] = asdict(shape) if shape else None
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report

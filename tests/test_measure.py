@@ -1,0 +1,77 @@
+"""The benchmark's arithmetic and workloads: pure logic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobsvc.bench import BenchOptions, bench_jobs, load_jsonl
+from jobsvc.errors import InvalidJob
+from jobsvc.measure import (
+    ArmResult,
+    Pair,
+    cpu_seconds_used,
+    ideal_hit_rate,
+    median,
+    percentile,
+    summarize_pairs,
+)
+
+
+def test_percentiles_interpolate_linearly() -> None:
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5
+    assert percentile([5, 1, 3], 0.0) == 1
+    assert percentile([5, 1, 3], 1.0) == 5
+    assert percentile(list(range(101)), 0.99) == pytest.approx(99)
+    assert median([3, 1, 2]) == 2
+    with pytest.raises(ValueError):
+        percentile([], 0.5)
+
+
+def test_cpu_used_counts_new_processes_from_zero_and_ignores_vanished_ones() -> None:
+    assert cpu_seconds_used({1: 10.0, 2: 5.0}, {1: 12.5, 3: 1.0}) == pytest.approx(3.5)
+
+
+def _arm(jobs: int, seconds: float, cpu: float) -> ArmResult:
+    return ArmResult(jobs=jobs, seconds=seconds, output_tokens=jobs * 16, cpu_seconds=cpu)
+
+
+def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
+    pairs = [Pair(_arm(100, 10.0, 20.0), _arm(100, 10.1, 20.2), False),
+             Pair(_arm(100, 10.0, 20.0), _arm(100, 9.9, 20.0), True),
+             Pair(_arm(100, 10.0, 20.0), _arm(100, 10.5, 20.4), False)]
+    summary = summarize_pairs(pairs)
+    assert summary["median_ratio"] == pytest.approx(10.0 / 10.1)
+    assert summary["min_ratio"] == pytest.approx(10.0 / 10.5)
+    assert summary["cpu_ratio"] == pytest.approx(60.6 / 60.0)
+    assert pairs[0].service.tokens_per_second == pytest.approx(1600 / 10.1)
+
+
+def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:
+    jobs = [("a", 300, 310), ("b", 100, 110), ("a", 300, 305), ("a", 300, 305)]
+    assert ideal_hit_rate(jobs, block_size=128) == pytest.approx(2 * 256 / 1030)
+
+
+def test_named_workloads_have_the_documented_shape_and_fresh_documents_per_trial() -> None:
+    reuse = bench_jobs(BenchOptions(workload="reuse", words=30), trial=1)
+    assert len(reuse) == 256 and len({job["document"] for job in reuse}) == 64
+    # Interleaved: the first 64 jobs are 64 different documents.
+    assert len({job["document"] for job in reuse[:64]}) == 64
+    assert all(job["max_tokens"] == 16 and job["ignore_eos"] for job in reuse)
+    unique = bench_jobs(BenchOptions(workload="unique", words=30), trial=1)
+    assert len(unique) == 64 and len({job["document"] for job in unique}) == 64
+    again = bench_jobs(BenchOptions(workload="unique", words=30), trial=2)
+    assert {job["document"] for job in again}.isdisjoint(job["document"] for job in unique)
+
+
+def test_jsonl_workloads_keep_their_own_sampling_and_refuse_incomplete_lines(
+        tmp_path: Path) -> None:
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"document": "d", "question": "q", "max_tokens": 3}) + "\n\n")
+    (job,) = bench_jobs(BenchOptions(workload=str(path)), trial=1)
+    assert job["max_tokens"] == 3 and job["ignore_eos"] is True
+    path.write_text(json.dumps({"document": "d"}) + "\n")
+    with pytest.raises(InvalidJob, match=r"jobs\.jsonl:1"):
+        load_jsonl(path)

@@ -1,0 +1,38 @@
+"""Settings parsing and compression helpers."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobsvc import compression
+from jobsvc.errors import ConfigurationError
+from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
+from jobsvc.workloads import document_questions, lexicon
+
+
+def test_settings_read_typed_values_from_the_environment() -> None:
+    settings = Settings.from_env({"JOBSVC_SHARDS": "3", "JOBSVC_ENFORCE_EAGER": "no",
+                                  "JOBSVC_GPU_MEMORY_UTILIZATION": "0.5"})
+    assert (settings.shards, settings.enforce_eager, settings.gpu_memory_utilization) == (
+        3, False, 0.5)
+    assert Settings.from_env({}).resolved_database_url == EMBEDDED_DATABASE_URL
+
+
+@pytest.mark.parametrize("environ", [{"JOBSVC_SHARDS": "two"}, {"JOBSVC_SHARDS": "0"},
+                                     {"JOBSVC_ENFORCE_EAGER": "maybe"},
+                                     {"JOBSVC_ZSTD_LEVEL": "40"}])
+def test_bad_settings_are_refused_with_the_variable_named(environ: dict[str, str]) -> None:
+    with pytest.raises(ConfigurationError, match="JOBSVC_"):
+        Settings.from_env(environ)
+
+
+def test_compression_round_trips_and_marks_zstd_frames() -> None:
+    data = ("the same sentence again " * 200).encode()
+    frame = compression.compress(data)
+    assert compression.is_zstd_frame(frame) and len(frame) < len(data) / 10
+    assert compression.decompress(frame) == data
+
+
+def test_generated_text_is_deterministic() -> None:
+    assert lexicon()[:5] == lexicon()[:5]
+    assert document_questions(2, 2, 50, seed=3) == document_questions(2, 2, 50, seed=3)

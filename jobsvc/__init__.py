@@ -1,8 +1,9 @@
 """jobsvc: queue-driven document-question inference jobs on vLLM, routed by prefix hash."""
 
 from jobsvc.client import Client
-from jobsvc.errors import InvalidJob, JobNotFound
+from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.schema import JobStatus
 from jobsvc.store import JobRecord
 
-__all__ = ["Client", "InvalidJob", "JobNotFound", "JobRecord", "JobStatus"]
+__all__ = ["BrokerUnavailable", "Client", "InvalidJob", "JobNotFound", "JobRecord", "JobStatus",
+           "StorageUnavailable"]

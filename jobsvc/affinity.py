@@ -7,6 +7,7 @@ A claim is HSETNX, so two producers racing on one new document agree on whoever 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 
 import redis
@@ -15,6 +16,9 @@ from jobsvc.routing import DocumentDemand, Placement, least_loaded
 
 AFFINITY_KEY = "jobsvc:affinity"
 LOAD_KEY = "jobsvc:load"
+# Names the running Redis instance: it vanishes with a restart (Redis keeps nothing on disk
+# here), and jobs recorded under an older epoch have lost their queue messages.
+EPOCH_KEY = "jobsvc:epoch"
 
 # Lowers a shard's load without going below zero (a counter lost with a Redis restart
 # must not turn negative and attract every new document).
@@ -32,6 +36,14 @@ class ShardState:
         self._redis = client
         self._shards = shards
         self._release = client.register_script(_RELEASE)
+
+    def epoch(self) -> str:
+        """The current Redis epoch, created by whoever asks first after a (re)start."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+            pipe.get(EPOCH_KEY)
+            _, epoch = pipe.execute()
+        return epoch.decode()
 
     def place(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
         """Pick a shard per document (known documents stay put) and charge the shards.

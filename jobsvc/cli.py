@@ -50,6 +50,13 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def _requeue(settings: Settings, _args: argparse.Namespace) -> None:
+    from jobsvc.client import Client
+
+    with Client(settings=settings) as client:
+        print(f"requeued {client.requeue_stale()} jobs lost with an earlier Redis")
+
+
 def _stats(settings: Settings, _args: argparse.Namespace) -> None:
     from jobsvc.store import Store
 
@@ -88,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write the full result here")
     bench.add_argument("--plot", type=Path, help="write a PNG of the pairs here")
     bench.set_defaults(run=_bench)
+    commands.add_parser(
+        "requeue", help="enqueue again the unfinished jobs a restarted Redis lost "
+        "(workers also do this every JOBSVC_REQUEUE_INTERVAL seconds)").set_defaults(
+        run=_requeue)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")

@@ -6,15 +6,16 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
 from jobsvc.affinity import ShardState
 from jobsvc.batching import form_batches
-from jobsvc.errors import InvalidJob, JobNotFound
+from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing import DocumentKeys, Placement, document_demands, document_keys
 from jobsvc.schema import (
@@ -32,6 +33,18 @@ from jobsvc.transport import make_celery, publish
 log = logging.getLogger(__name__)
 
 CANCEL_CHANNEL = "jobsvc:cancel"
+# Held by whoever requeues lost jobs, so that two workers never requeue the same jobs at once.
+REQUEUE_LOCK_KEY = "jobsvc:requeue-lock"
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """Jobs ready to enqueue: (shard, queue entry) each, and their documents by key."""
+
+    placed: list[tuple[int, QueuedJob]]
+    epoch: str
+    document_tokens: dict[str, list[int]]
+    document_texts: dict[str, str]
 _WAIT_CHUNK = 5000
 
 
@@ -72,49 +85,92 @@ class Client:
         requests = [self._validate(index, job) for index, job in enumerate(jobs)]
         if not requests:
             return []
+        job_ids = [uuid.uuid4().hex for _ in requests]
+        routed = self._route(requests, job_ids)
+        now = utcnow()
+        document_rows = [{"key": key, "text_zst": compression.compress(text.encode()),
+                          "tokens": len(routed.document_tokens[key]), "created_at": now}
+                         for key, text in routed.document_texts.items()]
+        job_rows = [{
+            "id": job.job_id, "document_key": job.document_key, "question": request.question,
+            "sampling": request.sampling, "shard": shard, "status": JobStatus.QUEUED.value,
+            "prompt_tokens": len(routed.document_tokens[job.document_key])
+            + len(job.question_tokens),
+            "estimated_prefill": job.estimated_prefill, "submitted_at": now,
+            "redis_epoch": routed.epoch,
+        } for request, (shard, job) in zip(requests, routed.placed, strict=True)]
+        try:
+            self._store.record_submitted(document_rows, job_rows)
+        except SQLAlchemyError as error:
+            self._shard_state.release(_charges(routed.placed))
+            raise StorageUnavailable(
+                f"could not record {len(job_rows)} jobs ({type(error).__name__}); nothing was "
+                "enqueued, submit them again once the database is back") from error
+        try:
+            self._publish(routed)
+        except Exception as error:
+            self._store.forget_submitted(job_ids)
+            self._shard_state.release(_charges(routed.placed))
+            raise BrokerUnavailable(
+                f"could not enqueue {len(job_rows)} jobs ({type(error).__name__}: {error}); "
+                "nothing was kept, submit them again") from error
+        log.debug("submitted %d jobs", len(job_rows))
+        return job_ids
+
+    def requeue_stale(self, limit: int = 10_000) -> int:
+        """Enqueue again every unfinished job whose message was lost with a restarted Redis
+        (recorded under another Redis epoch); returns how many were requeued."""
+        lock = self._redis.lock(REQUEUE_LOCK_KEY, timeout=300, blocking=False)
+        if not lock.acquire():
+            return 0
+        try:
+            epoch = self._shard_state.epoch()
+            stale = self._store.stale_jobs(epoch, limit)
+            if not stale:
+                return 0
+            requests = [JobRequest(row["document"], row["question"], row["sampling"])
+                        for row in stale]
+            routed = self._route(requests, [row["job_id"] for row in stale])
+            self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
+                                      epoch)
+            self._publish(routed)
+        finally:
+            lock.release()
+        log.warning("requeued %d jobs whose messages were lost with an earlier Redis",
+                    len(stale))
+        return len(stale)
+
+    def _route(self, requests: Sequence[JobRequest], job_ids: Sequence[str]) -> _Routed:
+        """Tokenize (each document once), check lengths, pick shards and build the queue
+        entries; nothing is written to the database here."""
         distinct = list(dict.fromkeys(request.document for request in requests))
         document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
         question_tokens = self._prompts.questions([request.question for request in requests])
         self._check_lengths(requests, document_tokens, question_tokens)
-
         keys = {text: document_keys(tokens, self.settings.block_size)
                 for text, tokens in document_tokens.items()}
+        epoch = self._shard_state.epoch()
         placements = self._place(requests, keys, document_tokens, question_tokens)
-
-        now = utcnow()
         seen_prefixes: set[str] = set()
-        job_rows: list[dict[str, Any]] = []
         placed: list[tuple[int, QueuedJob]] = []
-        for request, tokens in zip(requests, question_tokens, strict=True):
+        for job_id, request, tokens in zip(job_ids, requests, question_tokens, strict=True):
             doc = keys[request.document]
             placement = placements[doc.prefix_key]
             prompt_tokens = len(document_tokens[request.document]) + len(tokens)
             first_on_new = placement.is_new and doc.prefix_key not in seen_prefixes
             seen_prefixes.add(doc.prefix_key)
             prefill = prompt_tokens - (0 if first_on_new else doc.cacheable_tokens)
-            job_id = uuid.uuid4().hex
-            job_rows.append({
-                "id": job_id, "document_key": doc.document_key, "question": request.question,
-                "sampling": request.sampling, "shard": placement.shard,
-                "status": JobStatus.QUEUED.value, "prompt_tokens": prompt_tokens,
-                "estimated_prefill": prefill, "submitted_at": now})
             placed.append((placement.shard, QueuedJob(
                 job_id, doc.document_key, tokens, request.sampling, prefill)))
+        return _Routed(
+            placed=placed, epoch=epoch,
+            document_tokens={keys[text].document_key: tokens
+                             for text, tokens in document_tokens.items()},
+            document_texts={keys[text].document_key: text for text in distinct})
 
-        document_rows = [{"key": keys[text].document_key,
-                          "text_zst": compression.compress(text.encode()),
-                          "tokens": len(tokens), "created_at": now}
-                         for text, tokens in document_tokens.items()]
-        by_key = {keys[text].document_key: tokens for text, tokens in document_tokens.items()}
-        try:
-            self._store.record_submitted(document_rows, job_rows)
-        except Exception:
-            self._shard_state.release(_charges(placed))
-            raise
-        publish(self._celery, form_batches(placed, by_key, self.settings.batch_size))
-        log.debug("submitted %d jobs on shards %s", len(job_rows),
-                  sorted({shard for shard, _ in placed}))
-        return [row["id"] for row in job_rows]
+    def _publish(self, routed: _Routed) -> None:
+        publish(self._celery, form_batches(routed.placed, routed.document_tokens,
+                                           self.settings.batch_size))
 
     def get(self, job_id: str) -> JobRecord:
         record = self._store.get_many([job_id]).get(job_id)

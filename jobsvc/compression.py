@@ -15,12 +15,18 @@ KOMBU_CODEC = "application/x-jobsvc-zstd"
 
 _local = threading.local()
 _level = 3
+_max_output = 256 * 1024 * 1024
+_CHUNK = 1 << 20
 
 
-def set_level(level: int) -> None:
-    """Set the process-wide compression level (from settings) before the first compress."""
-    global _level
-    _level = level
+class FrameTooLarge(ValueError):
+    """A frame decompresses to more than the configured limit (a decompression bomb)."""
+
+
+def configure(level: int, max_output_bytes: int) -> None:
+    """Set the process-wide level and decompression limit (from settings) at start-up."""
+    global _level, _max_output
+    _level, _max_output = level, max_output_bytes
     _local.__dict__.clear()
 
 
@@ -32,11 +38,19 @@ def compress(data: bytes) -> bytes:
 
 
 def decompress(frame: bytes) -> bytes:
-    """Decompress one zstd frame; frames without a content size are streamed."""
+    """Decompress one zstd frame, refusing output beyond the configured limit."""
     decompressor = getattr(_local, "decompressor", None)
     if decompressor is None:
         decompressor = _local.decompressor = zstandard.ZstdDecompressor()
-    return decompressor.decompressobj().decompress(frame)
+    reader = decompressor.stream_reader(frame)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := reader.read(_CHUNK):
+        size += len(chunk)
+        if size > _max_output:
+            raise FrameTooLarge(f"zstd frame decompresses to over {_max_output} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def is_zstd_frame(data: bytes) -> bool:

@@ -18,3 +18,11 @@ class JobNotFound(JobsvcError, KeyError):
 
 class ConfigurationError(JobsvcError):
     """A JOBSVC_* setting has a value jobsvc cannot use."""
+
+
+class StorageUnavailable(JobsvcError):
+    """The database could not record a submit; nothing was enqueued."""
+
+
+class BrokerUnavailable(JobsvcError):
+    """Redis could not take a submit's messages; nothing was kept."""

@@ -167,11 +167,15 @@ class CacheAwarePolicy(RoutingPolicy):
         if not blocks:
             return best, 0
         limit = (1 + self.epsilon) * sum(loads) / len(loads) + prompt_tokens
+        # What a shard holding the whole chain would cost before its load: a holder that cannot
+        # beat the best even so is not worth walking (a hot document is held everywhere).
+        floor = prompt_tokens - len(blocks) * self.block_size
         for shard in self.holders.get(blocks[0], ()):
-            if loads[shard] > limit:
+            load = loads[shard]
+            if load > limit or floor + self.weight * load > best_cost:
                 continue
             cached = self.overlap(shard, blocks) * self.block_size
-            cost = prompt_tokens - cached + self.weight * loads[shard]
+            cost = prompt_tokens - cached + self.weight * load
             if cost < best_cost or (cost == best_cost and shard < best):
                 best, best_cost, best_cached = shard, cost, cached
         self._touch(best, blocks)

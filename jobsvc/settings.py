@@ -39,6 +39,15 @@ class Settings:
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = True
+    # Seconds before a crashed worker's unacknowledged batches are delivered again. Live
+    # workers renew the lease on what they run, so long jobs are never delivered twice.
+    visibility_timeout: int = 30
+    # Deliveries before a job that keeps stopping its worker is given up as failed.
+    max_attempts: int = 3
+    # Seconds between a worker's checks for jobs lost with a restarted Redis.
+    requeue_interval: int = 10
+    # Largest accepted queue message after decompression, in bytes.
+    max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
     log_level: str = "INFO"
 
@@ -66,6 +75,9 @@ class Settings:
         if self.block_size < 1 or self.batch_size < 1 or self.worker_concurrency < 1:
             raise ConfigurationError(
                 "JOBSVC_BLOCK_SIZE, JOBSVC_BATCH_SIZE and JOBSVC_WORKER_CONCURRENCY must be >= 1")
+        if self.visibility_timeout < 3 or self.max_attempts < 1 or self.requeue_interval < 1:
+            raise ConfigurationError("JOBSVC_VISIBILITY_TIMEOUT must be >= 3 and "
+                                     "JOBSVC_MAX_ATTEMPTS, JOBSVC_REQUEUE_INTERVAL >= 1")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
 

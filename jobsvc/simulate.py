@@ -33,6 +33,13 @@ WORKLOAD_NAMES = ("unique", "reuse", "zipf", "hot", "shared-preamble")
 # Skew of the `zipf` workload: of 256 documents, the most asked one draws a fifth of the jobs.
 ZIPF_EXPONENT = 1.1
 
+# Decoding a token is a forward pass of its own, memory-bound: about as dear as prefilling 20.
+DEFAULT_PREFILL_COST = 1
+DEFAULT_DECODE_COST = 20
+# 1024 blocks of 128 tokens: the order of a 7B model's KV cache on one 80 GB GPU.
+DEFAULT_CACHE_BLOCKS = 1024
+DEFAULT_SHARDS = 8
+
 # A job: its document's block chain, its prompt tokens, its output tokens.
 Job = tuple[Sequence[int], int, int]
 
@@ -152,6 +159,7 @@ def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
     prompts = PromptBuilder(model)
     distinct = list(dict.fromkeys(row["document"] for row in rows))
     questions = prompts.questions([row["question"] for row in rows])
+    # Block hashes become dense ints: cheaper cache keys, and the ideal's bytearray indexes them.
     ids: dict[bytes, int] = {}
     documents: dict[str, tuple[list[int], int]] = {}
     for text, tokens in zip(distinct, prompts.documents(distinct), strict=True):
@@ -166,7 +174,8 @@ def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
 
 
 def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks: int,
-                   prefill_cost: int = 1, decode_cost: int = 20,
+                   prefill_cost: int = DEFAULT_PREFILL_COST,
+                   decode_cost: int = DEFAULT_DECODE_COST,
                    arrival_rate: float | None = None, weight: float = DEFAULT_WEIGHT,
                    epsilon: float = DEFAULT_EPSILON) -> dict[str, Any]:
     """Route every job with `policy`, serve it on its shard, and report hits, balance and time.
@@ -238,20 +247,22 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `jobsvc simulate`; defaults are those of WorkloadShape and run_simulation."""
+    """Options of `jobsvc simulate`; the defaults are this module's and WorkloadShape's."""
     shape = WorkloadShape()
     parser.add_argument("--workload", required=True,
                         help=f"{', '.join(WORKLOAD_NAMES)}, or a .jsonl file of jobs "
                              "(document, question, optional max_tokens)")
-    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--shards", type=int, default=DEFAULT_SHARDS)
     parser.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
     parser.add_argument("--json", type=Path, help="also write the report to this file")
-    parser.add_argument("--cache-blocks", type=int, default=1024,
+    parser.add_argument("--cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS,
                         help="prefix cache capacity of each shard, in blocks")
     parser.add_argument("--block-size", type=int,
                         help="tokens per block (default: JOBSVC_BLOCK_SIZE)")
-    parser.add_argument("--prefill-cost", type=int, default=1, help="work per uncached token")
-    parser.add_argument("--decode-cost", type=int, default=20, help="work per output token")
+    parser.add_argument("--prefill-cost", type=int, default=DEFAULT_PREFILL_COST,
+                        help="work per uncached prompt token")
+    parser.add_argument("--decode-cost", type=int, default=DEFAULT_DECODE_COST,
+                        help="work per output token")
     parser.add_argument("--arrival-rate", type=float,
                         help="jobs per unit of work time (default: one burst at time 0)")
     parser.add_argument("--weight", type=float, default=DEFAULT_WEIGHT,

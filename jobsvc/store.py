@@ -6,7 +6,7 @@ executemany per table per call) and idempotent, so a job delivered twice records
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -68,6 +68,10 @@ class Job(Base):
     estimated_prefill: Mapped[int] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(200))
+    # Deliveries to a worker so far; a job that keeps killing its worker is given up.
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # The Redis instance (see jobsvc.affinity) whose queue holds this job's message.
+    redis_epoch: Mapped[str | None] = mapped_column(String(32))
     submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -178,36 +182,80 @@ class Store:
                                    list(documents))
             connection.execute(Job.__table__.insert(), list(jobs))
 
-    def claim_for_running(self, job_ids: Sequence[str], worker: str) -> set[str]:
+    def claim_for_running(self, job_ids: Sequence[str], worker: str,
+                          max_attempts: int) -> set[str]:
         """Mark jobs running and return those that may run: queued ones, and running ones whose
-        earlier delivery never finished. Cancelled or finished jobs are left as they are."""
+        earlier delivery never finished. Cancelled or finished jobs are left as they are; a
+        job delivered more than `max_attempts` times ends failed instead of running again."""
         now = utcnow()
         with self.engine.begin() as connection:
             claimed = connection.execute(
                 update(Job)
                 .where(Job.id.in_(job_ids), Job.status.in_(_ACTIVE))
-                .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker)
-                .returning(Job.id)
-            ).scalars()
-            return set(claimed)
+                .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker,
+                        attempts=Job.attempts + 1)
+                .returning(Job.id, Job.attempts)
+            ).all()
+            exhausted = [job_id for job_id, attempts in claimed if attempts > max_attempts]
+            if exhausted:
+                connection.execute(
+                    update(Job).where(Job.id.in_(exhausted)).values(
+                        status=JobStatus.FAILED.value, finished_at=now,
+                        error=f"gave up after {max_attempts} deliveries: the worker running "
+                              "this job stopped each time before it finished"))
+            return {job_id for job_id, attempts in claimed if attempts <= max_attempts}
+
+    def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
+        """Unfinished jobs enqueued into another Redis instance than the current one: their
+        messages are gone and they must be enqueued again."""
+        query = (
+            select(Job.id, Job.question, Job.sampling, Document.text_zst)
+            .join(Document, Document.key == Job.document_key)
+            .where(Job.status.in_(_ACTIVE),
+                   or_(Job.redis_epoch.is_(None), Job.redis_epoch != epoch))
+            .order_by(Job.submitted_at)
+            .limit(limit)
+        )
+        with self.engine.connect() as connection:
+            rows = connection.execute(query).all()
+        return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
+                 "document": compression.decompress(row.text_zst).decode()} for row in rows]
+
+    def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:
+        job = Job.__table__
+        with self.engine.begin() as connection:
+            connection.execute(
+                update(job).where(job.c.id == bindparam("b_id")).values(
+                    shard=bindparam("b_shard"), redis_epoch=epoch),
+                [{"b_id": job_id, "b_shard": shard} for job_id, shard in placements.items()])
+
+    def forget_submitted(self, job_ids: Sequence[str]) -> None:
+        """Remove jobs recorded by a submit whose enqueue then failed."""
+        with self.engine.begin() as connection:
+            connection.execute(Job.__table__.delete().where(Job.id.in_(list(job_ids))))
 
     def record_outcomes(self, outcomes: Sequence[JobOutcome]) -> None:
-        """Record finished jobs. A job already finished (or cancelled) keeps its first ending."""
-        succeeded = [o for o in outcomes if o.error is None]
+        """Record finished jobs. Only jobs still queued or running take the outcome: a job
+        already finished (an earlier delivery) or cancelled keeps its first ending."""
+        job = Job.__table__
         with self.engine.begin() as connection:
+            active = set(connection.execute(
+                select(job.c.id)
+                .where(job.c.id.in_([o.job_id for o in outcomes]), job.c.status.in_(_ACTIVE))
+                .with_for_update()).scalars())
+            outcomes = [o for o in outcomes if o.job_id in active]
+            if not outcomes:
+                return
+            succeeded = [o for o in outcomes if o.error is None]
             if succeeded:
                 connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
                     {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
                      "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
                      "created_at": o.finished_at} for o in succeeded])
-            job = Job.__table__
             connection.execute(
-                update(job)
-                # executemany cannot expand IN lists: spell the active statuses out.
-                .where(job.c.id == bindparam("b_id"),
-                       or_(*(job.c.status == status for status in _ACTIVE)))
-                .values(status=bindparam("b_status"), error=bindparam("b_error"),
-                        finished_at=bindparam("b_finished_at")),
+                update(job).where(job.c.id == bindparam("b_id")).values(
+                    status=bindparam("b_status"), error=bindparam("b_error"),
+                    finished_at=bindparam("b_finished_at")),
                 [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
                   "b_status": (JobStatus.SUCCEEDED if o.error is None else JobStatus.FAILED).value}
                  for o in outcomes])

@@ -15,12 +15,13 @@ from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 
 RUN_BATCH_TASK = "jobsvc.run_batch"
-# A crashed worker's unacknowledged batches return after this many seconds.
-VISIBILITY_TIMEOUT_SECONDS = 3600
+# kombu's Redis transport keeps unacknowledged messages in this sorted set, scored by the
+# time they were delivered; workers renew their leases by re-scoring them.
+UNACKED_INDEX_KEY = "unacked_index"
 
 
 def make_celery(settings: Settings) -> Celery:
-    compression.set_level(settings.zstd_level)
+    compression.configure(settings.zstd_level, settings.max_message_bytes)
     compression.register_kombu_codec()
     app = Celery("jobsvc", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
@@ -33,7 +34,13 @@ def make_celery(settings: Settings) -> Celery:
         task_create_missing_queues=True,
         task_default_queue=queue_name(0),
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_SECONDS},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            # Scan for expired leases every few seconds (kombu's default waits ~100 s).
+            "unacked_restore_interval": max(1, settings.visibility_timeout // 6),
+            "unacked_restore_throttle": 1,
+            "unacked_index_key": UNACKED_INDEX_KEY,
+        },
     )
     return app
 

@@ -10,6 +10,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
@@ -20,9 +22,10 @@ log = logging.getLogger(__name__)
 
 class BatchRunner:
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
-                 recorder: ResultRecorder) -> None:
+                 recorder: ResultRecorder, max_attempts: int) -> None:
         self.shard = shard
         self.worker_name = worker_name
+        self.max_attempts = max_attempts
         self._store = store
         self._engine = engine
         self._recorder = recorder
@@ -39,8 +42,7 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
-        runnable = self._store.claim_for_running([job.job_id for job in message.jobs],
-                                                 self.worker_name)
+        runnable = self._claim([job.job_id for job in message.jobs])
         skipped = [job for job in message.jobs if job.job_id not in runnable]
         if skipped:
             log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
@@ -67,6 +69,20 @@ class BatchRunner:
         if results:
             self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
         return {"jobs": len(jobs), "skipped": len(skipped)}
+
+    def _claim(self, job_ids: list[str]) -> set[str]:
+        """Claim the batch's jobs, waiting out a database outage: the message stays
+        unacknowledged (and its lease renewed) until the database answers."""
+        delay = 0.5
+        while True:
+            try:
+                return self._store.claim_for_running(job_ids, self.worker_name,
+                                                     self.max_attempts)
+            except SQLAlchemyError as error:
+                log.warning("shard %d cannot claim %d jobs (%s); retrying in %.1f s",
+                            self.shard, len(job_ids), type(error).__name__, delay)
+                time.sleep(delay)
+                delay = min(10.0, delay * 2)
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

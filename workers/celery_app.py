@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 import redis
@@ -15,7 +16,7 @@ from celery import Celery, signals
 from celery.worker.control import control_command
 
 from jobsvc.affinity import ShardState
-from jobsvc.client import CANCEL_CHANNEL
+from jobsvc.client import CANCEL_CHANNEL, Client
 from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
 from jobsvc.store import Store
@@ -23,6 +24,7 @@ from jobsvc.transport import RUN_BATCH_TASK, make_celery
 from workers.batch import BatchRunner
 from workers.engine import EngineAdapter, engine_args
 from workers.gcpause import GcPauseMeter
+from workers.leases import LeaseKeeper
 from workers.recorder import ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,12 @@ def worker_name(shard: int) -> str:
     return f"shard{shard}@{socket.gethostname()}"
 
 
+EXIT_ENGINE_DEAD = 70
+
+
 class WorkerRuntime:
-    """Everything a worker holds for its lifetime: engine, store, recorder, cancel listener."""
+    """Everything a worker holds for its lifetime: engine, store, recorder, leases, the
+    cancel listener and the reconciler that requeues jobs lost with a restarted Redis."""
 
     def __init__(self, settings: Settings, shard: int) -> None:
         self.settings = settings
@@ -42,30 +48,62 @@ class WorkerRuntime:
         self.gc_pauses = GcPauseMeter()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         self._store = Store(settings.resolved_database_url)
-        self.engine = EngineAdapter(engine_args(settings))
+        self.engine = EngineAdapter(engine_args(settings), on_engine_dead=self._engine_died)
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
-        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        self._listener: Any = None
+        self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
+        self._stopped = threading.Event()
+        self._background = [
+            threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
+                             daemon=True),
+            threading.Thread(target=self._reconcile, name="reconciler", daemon=True),
+        ]
 
     def start(self) -> None:
         self.engine.start()
         self._recorder.start()
+        self.leases.start()
         self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
                                   store=self._store, engine=self.engine,
-                                  recorder=self._recorder)
-        self._pubsub.subscribe(**{CANCEL_CHANNEL: self._on_cancel})
-        self._listener = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True)
-
-    def _on_cancel(self, message: dict[str, Any]) -> None:
-        if self.runner is not None:
-            self.runner.abort_if_running(message["data"].decode())
+                                  recorder=self._recorder,
+                                  max_attempts=self.settings.max_attempts)
+        for thread in self._background:
+            thread.start()
 
     def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()
+        self._stopped.set()
+        self.leases.stop()
         self._recorder.stop()
         self.engine.shutdown()
         self._store.dispose()
+
+    def _engine_died(self, error: BaseException) -> None:
+        # Exit without acknowledging anything: the batches in flight return to the queue
+        # when their leases run out, and a restarted worker runs them on a fresh engine.
+        log.critical("shard %d: the engine died (%s); exiting so a restart can recover",
+                     self.shard, error)
+        os._exit(EXIT_ENGINE_DEAD)
+
+    def _listen_for_cancels(self) -> None:
+        """Abort cancelled jobs running here; survives Redis restarts by resubscribing."""
+        while not self._stopped.is_set():
+            try:
+                with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    pubsub.subscribe(CANCEL_CHANNEL)
+                    while not self._stopped.is_set():
+                        message = pubsub.get_message(timeout=1.0)
+                        if message is not None and self.runner is not None:
+                            self.runner.abort_if_running(message["data"].decode())
+            except redis.RedisError as error:
+                log.warning("cancel listener lost Redis (%s); resubscribing", error)
+                self._stopped.wait(1.0)
+
+    def _reconcile(self) -> None:
+        with Client(settings=self.settings) as client:
+            while not self._stopped.wait(self.settings.requeue_interval):
+                try:
+                    client.requeue_stale()
+                except Exception as error:
+                    log.warning("reconciler: %s: %s", type(error).__name__, error)
 
 
 def create_worker_app(settings: Settings, shard: int) -> Celery:
@@ -81,11 +119,18 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     )
     runtime = WorkerRuntime(settings, shard)
 
-    @app.task(name=RUN_BATCH_TASK, ignore_result=True)
-    def run_batch(payload: Any) -> dict[str, int]:
+    @app.task(name=RUN_BATCH_TASK, ignore_result=True, bind=True)
+    def run_batch(task: Any, payload: Any) -> dict[str, int]:
         if runtime.runner is None:
             raise RuntimeError("run_batch before the worker started its engine")
-        return runtime.runner.run(payload)
+        tag = (task.request.properties or {}).get("delivery_tag")
+        if tag is None:
+            return runtime.runner.run(payload)
+        runtime.leases.hold(tag)
+        try:
+            return runtime.runner.run(payload)
+        finally:
+            runtime.leases.release(tag)
 
     def on_init(**_: Any) -> None:
         log.info("shard %d: starting the engine on queue %s", shard, queue_name(shard))

@@ -58,8 +58,12 @@ def engine_args(settings: Settings) -> dict[str, Any]:
 
 
 class EngineAdapter:
-    def __init__(self, engine_args: dict[str, Any]) -> None:
+    def __init__(self, engine_args: dict[str, Any],
+                 on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         self._engine_args = engine_args
+        # Called (on the loop thread) when the engine has died: its requests will never
+        # finish, so the owner must stop rather than record them as failed.
+        self._on_engine_dead = on_engine_dead
         self._loop = asyncio.new_event_loop()
         self._engine: Any = None
         self._thread = threading.Thread(target=self._serve, name="engine-loop", daemon=True)
@@ -142,14 +146,17 @@ class EngineAdapter:
                     {"prompt_token_ids": request.prompt_token_ids}, params, request.job_id):
                 final = output
         except Exception as error:
+            if self._on_engine_dead is not None and self._engine.errored:
+                self._on_engine_dead(error)
+                return
             log.warning("job %s failed in the engine: %s", request.job_id, error)
             on_result(_failure(request.job_id, prompt_tokens, error))
             return
-        if final is None or not final.outputs:
-            on_result(EngineResult(request.job_id, None, "aborted before any output",
+        completion = final.outputs[0] if final is not None and final.outputs else None
+        if completion is None or completion.finish_reason == "abort":
+            on_result(EngineResult(request.job_id, None, "aborted in the engine",
                                    prompt_tokens, 0, 0, time.time()))
             return
-        completion = final.outputs[0]
         on_result(EngineResult(request.job_id, completion.text, None, prompt_tokens,
                                len(completion.token_ids), final.num_cached_tokens or 0,
                                time.time()))

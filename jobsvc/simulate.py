@@ -28,6 +28,7 @@ from typing import Any
 from jobsvc.errors import JobsvcError
 from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
 from jobsvc.settings import TINY_MODEL, Settings
+from jobsvc.workloads import read_jsonl_jobs
 
 WORKLOAD_NAMES = ("unique", "reuse", "zipf", "hot", "shared-preamble")
 # Skew of the `zipf` workload: of 256 documents, the most asked one draws a fifth of the jobs.
@@ -135,27 +136,12 @@ def _preamble_chains(documents: int, shape: WorkloadShape) -> tuple[list[tuple[i
 
 def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
                model: str = str(TINY_MODEL)) -> Workload:
-    """Jobs from a JSONL file (`document`, `question`, optional `max_tokens` per line), with
-    prompts tokenized and block hashes chained exactly as the client does for the engine."""
+    """Jobs from a JSONL file (`document`, `question`, optional `max_tokens` per line, as for
+    `jobsvc bench`), with prompts tokenized and block hashes chained as the client does."""
     from jobsvc.prompts import PromptBuilder
     from jobsvc.routing import block_hashes
 
-    rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise WorkloadError(f"{path}:{number}: not JSON ({error})") from None
-            if not (isinstance(row, dict) and isinstance(row.get("document"), str)
-                    and isinstance(row.get("question"), str)):
-                raise WorkloadError(f"{path}:{number}: each line must be an object with string "
-                                    "fields 'document' and 'question'")
-            rows.append(row)
-    if not rows:
-        raise WorkloadError(f"{path} has no jobs")
+    rows = read_jsonl_jobs(path)
     prompts = PromptBuilder(model)
     distinct = list(dict.fromkeys(row["document"] for row in rows))
     questions = prompts.questions([row["question"] for row in rows])

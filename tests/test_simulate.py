@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jobsvc.errors import JobsvcError
 from jobsvc.policies import POLICY_NAMES
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import TINY_MODEL, Settings
@@ -136,9 +137,14 @@ def test_bad_workloads_are_refused_with_a_reason(tmp_path: Path) -> None:
         generate("hot", WorkloadShape(documents=1))
     with pytest.raises(WorkloadError, match="preamble"):
         generate("shared-preamble", WorkloadShape(preamble_blocks=12))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(WorkloadError, match="no jobs"):
+        run_simulation(load_jsonl(empty, block_size=16, output_tokens=4), shards=2,
+                       policy="affinity", cache_blocks=8)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"document": "text"}\n')
-    with pytest.raises(WorkloadError, match=r"bad.jsonl:1: .*question"):
+    with pytest.raises(JobsvcError, match=r"bad.jsonl:1: .*question"):
         load_jsonl(bad, block_size=16, output_tokens=4)
 
 

@@ -23,7 +23,6 @@ import redis
 
 from jobsvc.affinity import AFFINITY_KEY, LOAD_KEY
 from jobsvc.client import Client
-from jobsvc.errors import InvalidJob
 from jobsvc.local import LocalWorkers
 from jobsvc.measure import (
     ArmResult,
@@ -39,7 +38,7 @@ from jobsvc.routing import document_demands, document_keys, plan_from_scratch
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
-from jobsvc.workloads import document_questions
+from jobsvc.workloads import document_questions, read_jsonl_jobs
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +58,6 @@ class BenchOptions:
     log_dir: Path = Path("bench-logs")
 
 
-def load_jsonl(path: Path) -> list[dict[str, Any]]:
-    jobs = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        job = json.loads(line)
-        if not isinstance(job, dict) or "document" not in job or "question" not in job:
-            raise InvalidJob(f"{path}:{number}: each line needs a document and a question")
-        jobs.append(job)
-    return jobs
-
-
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
     """The jobs of one trial: named workloads get fresh documents per trial, JSONL files
     replay the same jobs (the prefix caches are reset between trials either way)."""
@@ -80,7 +67,7 @@ def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
         generated = document_questions(documents, questions, options.words, seed=1000 + trial)
         return [{"document": job.document, "question": job.question, **fixed}
                 for job in generated]
-    return [{**fixed, **job} for job in load_jsonl(Path(options.workload))]
+    return [{**fixed, **job} for job in read_jsonl_jobs(Path(options.workload))]
 
 
 @dataclass

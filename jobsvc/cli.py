@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jobsvc.errors import JobsvcError
 from jobsvc.settings import Settings
+from jobsvc.simulate import add_arguments as add_simulate_arguments
 
 
 def _migrate(settings: Settings, _args: argparse.Namespace) -> None:
@@ -48,6 +49,12 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
+
+
+def _simulate(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.simulate import run_from_args
+
+    print(json.dumps(run_from_args(settings, args), indent=2))
 
 
 def _requeue(settings: Settings, _args: argparse.Namespace) -> None:
@@ -95,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write the full result here")
     bench.add_argument("--plot", type=Path, help="write a PNG of the pairs here")
     bench.set_defaults(run=_bench)
+    simulate = commands.add_parser(
+        "simulate", help="replay a workload over simulated shards under one routing policy")
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(run=_simulate)
     commands.add_parser(
         "requeue", help="enqueue again the unfinished jobs a restarted Redis lost "
         "(workers also do this every JOBSVC_REQUEUE_INTERVAL seconds)").set_defaults(

@@ -6,9 +6,14 @@ every machine; the tiny model's tokenizer is trained on the same generator.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobsvc.errors import InvalidJob
 
 _ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
            "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr")
@@ -74,3 +79,16 @@ def training_corpus(paragraphs: int, seed: int = 1234) -> Iterator[str]:
     for _ in range(paragraphs):
         yield document(rng, rng.randint(40, 200))
         yield question(rng)
+
+
+def read_jsonl_jobs(path: Path) -> list[dict[str, Any]]:
+    """Jobs from a JSONL file, one mapping per line with at least a document and a question."""
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        if not isinstance(job, dict) or "document" not in job or "question" not in job:
+            raise InvalidJob(f"{path}:{number}: each line needs a document and a question")
+        jobs.append(job)
+    return jobs

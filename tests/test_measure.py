@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobsvc.bench import BenchOptions, bench_jobs, load_jsonl
+from jobsvc.bench import BenchOptions, bench_jobs
 from jobsvc.errors import InvalidJob
 from jobsvc.measure import (
     ArmResult,
@@ -18,6 +18,7 @@ from jobsvc.measure import (
     percentile,
     summarize_pairs,
 )
+from jobsvc.workloads import read_jsonl_jobs
 
 
 def test_percentiles_interpolate_linearly() -> None:
@@ -74,4 +75,4 @@ def test_jsonl_workloads_keep_their_own_sampling_and_refuse_incomplete_lines(
     assert job["max_tokens"] == 3 and job["ignore_eos"] is True
     path.write_text(json.dumps({"document": "d"}) + "\n")
     with pytest.raises(InvalidJob, match=r"jobs\.jsonl:1"):
-        load_jsonl(path)
+        read_jsonl_jobs(path)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
@@ -57,7 +59,10 @@ class Client:
         self.settings = replace(base, redis_url=redis_url or base.redis_url,
                                 database_url=database_url or base.database_url)
         self._store = Store(self.settings.resolved_database_url)
-        self._redis = redis.Redis.from_url(self.settings.redis_url)
+        # A few retries ride out a dropped connection or a Redis restart.
+        self._redis = redis.Redis.from_url(
+            self.settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0), 5),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self._shard_state = ShardState(self._redis, self.settings.shards)
         self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
         self._celery = make_celery(self.settings)

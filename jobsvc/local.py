@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
+import kombu.exceptions
+import redis
 from celery import Celery
 
 from jobsvc.errors import JobsvcError
@@ -68,7 +70,11 @@ class LocalWorkers:
                         raise WorkerStartError(
                             f"worker for shard {shard} exited with code {process.returncode}; "
                             f"log {self.log_path(shard)} ends with:\n{tail}")
-                replies = app.control.ping(timeout=1.0)
+                try:
+                    replies = app.control.ping(timeout=1.0)
+                except (redis.RedisError, kombu.exceptions.KombuError, OSError):
+                    # The broker dropped the connection (it may have just restarted): ask again.
+                    replies = []
                 ready = {name.split("@")[0] + "@" for reply in replies for name in reply}
                 elapsed = time.monotonic() - started
                 if expected <= ready:

@@ -21,6 +21,7 @@ from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
+from workers import broker_fixes
 from workers.batch import BatchRunner
 from workers.engine import EngineAdapter, engine_args
 from workers.gcpause import GcPauseMeter
@@ -47,6 +48,7 @@ class WorkerRuntime:
         self.runner: BatchRunner | None = None
         self.gc_pauses = GcPauseMeter()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
+        broker_fixes.install(self._redis)
         self._store = Store(settings.resolved_database_url)
         self.engine = EngineAdapter(engine_args(settings), on_engine_dead=self._engine_died)
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
@@ -56,6 +58,7 @@ class WorkerRuntime:
             threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
                              daemon=True),
             threading.Thread(target=self._reconcile, name="reconciler", daemon=True),
+            threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True),
         ]
 
     def start(self) -> None:
@@ -82,6 +85,12 @@ class WorkerRuntime:
         log.critical("shard %d: the engine died (%s); exiting so a restart can recover",
                      self.shard, error)
         os._exit(EXIT_ENGINE_DEAD)
+
+    def _watch_engine(self) -> None:
+        """Notice an engine that died while idle, not only when a request fails."""
+        while not self._stopped.wait(1.0):
+            if self.engine.dead:
+                self._engine_died(RuntimeError("engine processes exited"))
 
     def _listen_for_cancels(self) -> None:
         """Abort cancelled jobs running here; survives Redis restarts by resubscribing."""
@@ -116,6 +125,9 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         worker_pool="threads",
         task_queues=None,
         worker_send_task_events=True,
+        # Batches keep running through a broker reconnect; their leases and idempotent
+        # result writes make a later redelivery harmless.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     runtime = WorkerRuntime(settings, shard)
 

@@ -105,6 +105,11 @@ class EngineAdapter:
     def reset_prefix_cache(self) -> None:
         self.schedule(lambda engine: engine.reset_prefix_cache()).result()
 
+    @property
+    def dead(self) -> bool:
+        """True once the engine's processes are gone (it will never answer again)."""
+        return self._engine is not None and bool(self._engine.errored)
+
     def abort(self, job_id: str) -> None:
         asyncio.run_coroutine_threadsafe(self._engine.abort(job_id), self._loop)
 
@@ -146,7 +151,7 @@ class EngineAdapter:
                     {"prompt_token_ids": request.prompt_token_ids}, params, request.job_id):
                 final = output
         except Exception as error:
-            if self._on_engine_dead is not None and self._engine.errored:
+            if self._on_engine_dead is not None and self.dead:
                 self._on_engine_dead(error)
                 return
             log.warning("job %s failed in the engine: %s", request.job_id, error)

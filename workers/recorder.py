@@ -115,6 +115,8 @@ class ResultRecorder:
     def _write(self, pending: _Pending) -> None:
         """Write until it succeeds: a database outage delays results, it never drops them."""
         for attempt in itertools.count():
+            if not pending.outcomes and not pending.batch_stats:
+                break
             try:
                 if pending.outcomes:
                     self._store.record_outcomes(pending.outcomes)

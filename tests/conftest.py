@@ -24,6 +24,19 @@ TEST_DATABASE = "jobsvc_test"
 # consumes (their queues just fill up and are dropped).
 WORKER_REDIS_URL = os.environ.get("JOBSVC_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROUTING_REDIS_URL = WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14"
+# Rows of the fault tests' table: one per scenario, printed after the run.
+FAULT_TABLE: list[dict[str, object]] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FAULT_TABLE:
+        return
+    columns = list(FAULT_TABLE[0])
+    widths = {c: max(len(c), *(len(str(row[c])) for row in FAULT_TABLE)) for c in columns}
+    terminalreporter.section("fault scenarios")
+    terminalreporter.line("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in FAULT_TABLE:
+        terminalreporter.line("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
 
 
 def _recreate_database() -> str:
@@ -40,7 +53,8 @@ def settings() -> Settings:
     for url in (WORKER_REDIS_URL, ROUTING_REDIS_URL):
         redis.Redis.from_url(url).flushdb()
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
-                             worker_concurrency=4, log_level="INFO")
+                             worker_concurrency=4, log_level="INFO",
+                             max_message_bytes=16 << 20)
 
 
 @pytest.fixture(scope="session")

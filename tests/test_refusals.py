@@ -3,6 +3,7 @@ not ours are refused by the worker, which keeps serving real jobs."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import uuid
@@ -10,10 +11,12 @@ from typing import Any
 
 import pytest
 import redis
+import zstandard
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
 from jobsvc.affinity import AFFINITY_KEY
+from jobsvc.compression import KOMBU_CODEC
 from jobsvc.local import LocalWorkers
 from jobsvc.routing import queue_name
 from jobsvc.store import Job, Store
@@ -97,6 +100,15 @@ def _envelope(body: str, content_type: str, task: str = RUN_BATCH_TASK,
     }
 
 
+def _bomb() -> dict[str, Any]:
+    """A tiny zstd frame that would inflate beyond the worker's message size limit."""
+    frame = zstandard.ZstdCompressor(level=1).compress(b"[" + b" " * (64 << 20) + b"]")
+    envelope = _envelope(base64.b64encode(frame).decode(), "application/json")
+    envelope["headers"]["compression"] = KOMBU_CODEC
+    envelope["properties"]["body_encoding"] = "base64"
+    return envelope
+
+
 def test_worker_refuses_foreign_messages_and_keeps_serving(client: Client,
                                                            worker: LocalWorkers) -> None:
     url = client.settings.redis_url
@@ -111,6 +123,9 @@ def test_worker_refuses_foreign_messages_and_keeps_serving(client: Client,
                   "application/json"),
         _envelope(json.dumps([[], {}, {}]), "application/json"),
         _envelope(json.dumps([[1], {}, {}]), "application/json", task="not.our.task"),
+        _envelope("plain words", "text/plain"),
+        _envelope("a: yaml", "application/x-yaml"),
+        _bomb(),
     ]
     for envelope in hostile:
         _push_raw(url, queue, envelope)

@@ -1,0 +1,219 @@
+"""Fault tests on private servers (loopback only, bounded in time): every job must end in
+exactly one final state whatever fails in between. Each scenario adds a row to the table
+printed at the end of the test run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from jobsvc import Client, JobStatus, StorageUnavailable
+from jobsvc.local import LocalWorkers
+from jobsvc.migrate import upgrade_to_head
+from jobsvc.routing import queue_name
+from jobsvc.schema import BatchMessage, QueuedJob
+from jobsvc.settings import Settings
+from jobsvc.store import Result, Store, utcnow
+from jobsvc.transport import make_celery, publish
+from jobsvc.workloads import document_questions
+from tests.conftest import FAULT_TABLE
+from tests.servers import PrivatePostgres, PrivateRedis
+
+FINISH_TIMEOUT = 240
+
+
+@dataclass
+class Harness:
+    settings: Settings
+    workers: LocalWorkers
+    redis_server: PrivateRedis
+    postgres: PrivatePostgres
+    client: Client
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    redis_server = PrivateRedis(6391)
+    redis_server.start()
+    postgres = PrivatePostgres(5441)
+    postgres.start()
+    settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
+                                 requeue_interval=2, max_attempts=3)
+    upgrade_to_head(postgres.url)
+    workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
+    try:
+        workers.start()
+        with Client(settings=settings) as client:
+            yield Harness(settings, workers, redis_server, postgres, client)
+    finally:
+        workers.stop()
+        postgres.stop()
+        postgres.remove()
+        redis_server.stop()
+
+
+def _burst(client: Client, jobs: int, seed: int, max_tokens: int = 24) -> list[str]:
+    work = document_questions(jobs // 4, 4, 250, seed=seed)
+    return client.submit_many({"document": job.document, "question": job.question,
+                               "max_tokens": max_tokens, "ignore_eos": True} for job in work)
+
+
+def _wait_until_finished(client: Client, ids: list[str], count: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(ids) - client.pending(ids) < count:
+        assert time.monotonic() < deadline, "the burst made no progress"
+        time.sleep(0.1)
+
+
+def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
+    """Wait for every job to finish (bounded), then count endings; record a table row."""
+    client = harness.client
+    deadline = time.monotonic() + FINISH_TIMEOUT
+    while client.pending(ids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    records = [client.get(job_id) for job_id in ids]
+    store = Store(harness.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        result_rows = connection.execute(
+            select(func.count()).select_from(Result).where(Result.job_id.in_(ids))
+        ).scalar_one()
+    store.dispose()
+    counts = {status: sum(r.status is status for r in records) for status in JobStatus}
+    row = {
+        "scenario": scenario,
+        "submitted": len(ids),
+        "succeeded": counts[JobStatus.SUCCEEDED],
+        "failed": counts[JobStatus.FAILED],
+        "cancelled": counts[JobStatus.CANCELLED],
+        "lost": counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING],
+        # Every succeeded job has exactly one result row and no other job has one.
+        "duplicated": result_rows - counts[JobStatus.SUCCEEDED],
+    }
+    FAULT_TABLE.append(row)
+    return row
+
+
+def test_an_engine_request_that_raises_fails_only_its_job(harness: Harness) -> None:
+    client = harness.client
+    good = _burst(client, 8, seed=101)
+    # A job whose prompt holds a token the model does not have: the engine refuses it.
+    bad_id = uuid.uuid4().hex
+    store = Store(harness.settings.resolved_database_url)
+    store.record_submitted(
+        [{"key": "f" * 32, "text_zst": b"", "tokens": 3, "created_at": utcnow()}],
+        [{"id": bad_id, "document_key": "f" * 32, "question": "?", "sampling": {},
+          "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
+          "submitted_at": utcnow(), "redis_epoch": redis.Redis.from_url(
+              harness.settings.redis_url).get("jobsvc:epoch").decode()}])
+    store.dispose()
+    message = BatchMessage(0, {"f" * 32: [1, 2, 10_000_000]},
+                           [QueuedJob(bad_id, "f" * 32, [5], {"max_tokens": 4}, 4)])
+    publish(make_celery(harness.settings), [message])
+    row = _tally(harness, "engine request raises", [*good, bad_id])
+    assert row["lost"] == 0 and row["duplicated"] == 0
+    assert row["failed"] == 1 and row["succeeded"] == len(good)
+    assert client.get(bad_id).error
+
+
+def test_cancelled_while_queued_never_runs_and_while_running_is_aborted(
+        harness: Harness) -> None:
+    client = harness.client
+    # Four full batches keep every worker thread busy, so the next message waits queued.
+    busy = _burst(client, 4 * harness.settings.batch_size, seed=102, max_tokens=64)
+    queued_victims = _burst(client, 4, seed=107)
+    for job_id in queued_victims:
+        assert client.cancel(job_id)
+    deadline = time.monotonic() + 60
+    running = None
+    while running is None and time.monotonic() < deadline:
+        running = next((job_id for job_id in busy
+                        if client.get(job_id).status is JobStatus.RUNNING), None)
+    assert running is not None
+    client.cancel(running)
+    row = _tally(harness, "cancel queued + running", [*busy, *queued_victims])
+    assert row["lost"] == 0 and row["duplicated"] == 0 and row["failed"] == 0
+    assert all(client.get(job_id).started_at is None for job_id in queued_victims)
+    assert client.get(running).status is JobStatus.CANCELLED
+    assert row["cancelled"] == 5
+
+
+def test_postgres_down_for_20_seconds_mid_burst_loses_nothing(harness: Harness) -> None:
+    client = harness.client
+    ids = _burst(client, 48, seed=103, max_tokens=48)
+    _wait_until_finished(client, ids, 4)
+    harness.postgres.stop()
+    broker = redis.Redis.from_url(harness.settings.redis_url)
+    queued_before = broker.llen(queue_name(0))
+    try:
+        with pytest.raises(StorageUnavailable, match="nothing was enqueued"):
+            client.submit("a document while the database is down", "is it kept?")
+        assert broker.llen(queue_name(0)) == queued_before
+        time.sleep(20)
+    finally:
+        harness.postgres.start()
+    row = _tally(harness, "PostgreSQL stopped 20 s", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+
+
+def test_redis_restart_mid_burst_requeues_what_it_lost(harness: Harness) -> None:
+    client = harness.client
+    # Far more batches than the worker runs or reserves at once: some wait in Redis.
+    ids = _burst(client, 12 * harness.settings.batch_size, seed=104, max_tokens=16)
+    _wait_until_finished(client, ids, 4)
+    broker = redis.Redis.from_url(harness.settings.redis_url)
+    assert broker.llen(queue_name(0)) > 0
+    harness.redis_server.stop()
+    time.sleep(1)
+    harness.redis_server.start()
+    row = _tally(harness, "Redis restarted", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    assert all(process.poll() is None for process in harness.workers.processes)
+
+
+def _kill_tree(process: psutil.Process) -> None:
+    members = [process, *process.children(recursive=True)]
+    for member in members:
+        member.send_signal(signal.SIGKILL)
+    psutil.wait_procs(members, timeout=30)
+
+
+def test_kill_9_of_a_worker_mid_burst_delivers_its_batches_again(harness: Harness) -> None:
+    client = harness.client
+    ids = _burst(client, 48, seed=105, max_tokens=48)
+    _wait_until_finished(client, ids, 4)
+    worker = harness.workers.processes[0]
+    _kill_tree(psutil.Process(worker.pid))
+    worker.wait()
+    harness.workers.processes.clear()
+    harness.workers.start()
+    row = _tally(harness, "worker kill -9", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+
+
+def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
+        harness: Harness) -> None:
+    client = harness.client
+    ids = _burst(client, 64, seed=106, max_tokens=48)
+    _wait_until_finished(client, ids, 2)
+    worker = harness.workers.processes[0]
+    engine_core = next(child for child in psutil.Process(worker.pid).children(recursive=True)
+                       if "EngineCore" in child.name())
+    os.kill(engine_core.pid, signal.SIGKILL)
+    assert worker.wait(timeout=60) != 0
+    for leftover in psutil.Process().children(recursive=True):
+        if "VLLM" in leftover.name():
+            leftover.kill()
+    harness.workers.processes.clear()
+    harness.workers.start()
+    row = _tally(harness, "engine killed", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}

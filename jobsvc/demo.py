@@ -77,7 +77,7 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float)
         f"({cached} of {prompt} prompt tokens served from cache)",
         f"jobs per shard: {dict(sorted(shards.items()))}",
         f"results are in: {settings.resolved_database_url} (tables jobs, results, batch_stats)",
-        f"look at one: python -c \"from jobsvc import Client; "
+        f"look at one: .venv/bin/python -c \"from jobsvc import Client; "
         f"print(Client().get('{example.job_id}'))\"",
         f"  -> {example.status.value}: {example.answer!r}",
         "watch queues in Flower: .venv/bin/jobsvc flower  (then http://127.0.0.1:"

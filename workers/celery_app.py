@@ -157,6 +157,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def on_ready(**_: Any) -> None:
         # Start-up objects (engine, model config, imports) will never be garbage: keep the
         # collector from scanning them again during every generation-2 pass.
+        gc.collect()
         gc.freeze()
         runtime.gc_pauses.install()
         log.info("shard %d ready; %d objects frozen", shard, gc.get_freeze_count())

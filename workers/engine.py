@@ -90,7 +90,13 @@ class EngineAdapter:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        self._engine = engine
+        # One tiny request walks every code path once, so the modules and caches it loads
+        # lazily exist before the owner freezes the garbage collector's view of start-up.
+        await self._run_batch([EngineRequest("warm-up", [0, 1, 2], {"max_tokens": 1})],
+                              lambda _result: None)
+        return engine
 
     def submit(self, requests: Sequence[EngineRequest],
                on_result: Callable[[EngineResult], None]) -> concurrent.futures.Future[None]:

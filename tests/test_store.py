@@ -1,0 +1,61 @@
+"""Repository rules that keep results exactly-once, on the real PostgreSQL test database."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from jobsvc.store import JobOutcome, Store, utcnow
+
+
+@pytest.fixture()
+def store(settings: Settings) -> Iterator[Store]:
+    repository = Store(settings.resolved_database_url)
+    yield repository
+    repository.dispose()
+
+
+def _record_job(store: Store) -> str:
+    job_id = uuid.uuid4().hex
+    document_key = uuid.uuid4().hex
+    store.record_submitted(
+        [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
+        [{"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
+          "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
+          "submitted_at": utcnow(), "redis_epoch": "e"}])
+    return job_id
+
+
+def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
+        store: Store) -> None:
+    job_id = _record_job(store)
+    for _ in range(3):
+        assert store.claim_for_running([job_id], "w", max_attempts=3) == {job_id}
+    assert store.claim_for_running([job_id], "w", max_attempts=3) == set()
+    record = store.get_many([job_id])[job_id]
+    assert record.status is JobStatus.FAILED
+    assert "gave up after 3 deliveries" in (record.error or "")
+
+
+def test_a_second_outcome_for_a_finished_job_changes_nothing(store: Store) -> None:
+    job_id = _record_job(store)
+    store.claim_for_running([job_id], "w", max_attempts=3)
+    first = JobOutcome(job_id, "first answer", None, 3, 0, utcnow())
+    store.record_outcomes([first])
+    store.record_outcomes([JobOutcome(job_id, "second answer", None, 5, 0, utcnow()),
+                           JobOutcome(job_id, None, "late failure", 0, 0, utcnow())])
+    record = store.get_many([job_id])[job_id]
+    assert (record.status, record.answer, record.completion_tokens, record.error) == (
+        JobStatus.SUCCEEDED, "first answer", 3, None)
+
+
+def test_stale_jobs_are_those_of_another_redis_epoch(store: Store) -> None:
+    job_id = _record_job(store)
+    assert job_id not in {row["job_id"] for row in store.stale_jobs("e", 10_000)}
+    assert job_id in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
+    store.mark_requeued({job_id: 0}, "new-epoch")
+    assert job_id not in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}

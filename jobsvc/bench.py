@@ -199,13 +199,14 @@ class _Bench:
 
     def run_standalone(self, engines: Any, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
-        per_engine: list[list[tuple[str, str]]] = [[] for _ in range(self.settings.shards)]
+        per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
+            [] for _ in range(self.settings.shards)]
         for job, shard in zip(jobs, shape.shard_of_job, strict=True):
-            per_engine[shard].append((job["document"], job["question"]))
-        sampling = {key: value for key, value in jobs[0].items()
-                    if key not in ("document", "question")}
+            sampling = {key: value for key, value in job.items()
+                        if key not in ("document", "question")}
+            per_engine[shard].append((job["document"], job["question"], sampling))
         before = self.standalone_cpu()
-        run = engines.run(per_engine, sampling, mode, in_flight=self.settings.batch_size
+        run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
                           * self.settings.worker_concurrency)
         cpu = cpu_seconds_used(before, self.standalone_cpu())
         if record:

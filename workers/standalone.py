@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from jobsvc.settings import Settings
 from workers.bootstrap import bind_device
 from workers.engine import EngineAdapter, engine_args
 
-ADMISSION_MODES = ("all", "staggered")
+# "all": every request at once; "staggered": at most `in_flight` at a time; "grouped-…": the
+# same, with each document's questions made adjacent first (as the service's batches are).
+ADMISSION_MODES = ("all", "staggered", "grouped-all", "grouped-staggered")
 
 
 @dataclass(frozen=True)
@@ -49,20 +52,24 @@ class StandaloneEngines:
         for adapter in self._engines:
             adapter.shutdown()
 
-    def run(self, jobs_by_engine: Sequence[Sequence[tuple[str, str]]],
-            sampling: dict[str, Any], mode: str, in_flight: int) -> StandaloneRun:
-        """Run one burst of (document, question) jobs on every engine at once, each engine
-        from a cold prefix cache."""
+    def run(self, jobs_by_engine: Sequence[Sequence[tuple[str, str, dict[str, Any]]]],
+            mode: str, in_flight: int) -> StandaloneRun:
+        """Run one burst of (document, question, sampling) jobs on every engine at once, each
+        engine from a cold prefix cache."""
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission mode must be one of {ADMISSION_MODES}")
+        if mode.startswith("grouped-"):
+            jobs_by_engine = [_grouped(jobs) for jobs in jobs_by_engine]
+            mode = mode.removeprefix("grouped-")
         for adapter in self._engines:
             adapter.reset_prefix_cache()
         self._runs += 1
         started = time.perf_counter()
-        prompts_by_engine = [self._tokenize(jobs) for jobs in jobs_by_engine]
+        prompts_by_engine = [list(zip(self._tokenize(jobs), (job[2] for job in jobs),
+                                      strict=True)) for jobs in jobs_by_engine]
         futures = [adapter.schedule(
                        lambda engine, prompts=prompts, tag=f"sa{self._runs}-{index}": _burst(
-                           engine, prompts, sampling, mode, in_flight, tag))
+                           engine, prompts, mode, in_flight, tag))
                    for index, (adapter, prompts) in enumerate(
                        zip(self._engines, prompts_by_engine, strict=True))]
         outputs = [output for future in futures for output in future.result()]
@@ -73,29 +80,41 @@ class StandaloneEngines:
             prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
             cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
 
-
-    def _tokenize(self, jobs: Sequence[tuple[str, str]]) -> list[list[int]]:
-        distinct = list(dict.fromkeys(document for document, _ in jobs))
+    def _tokenize(self, jobs: Sequence[tuple[str, str, dict[str, Any]]]) -> list[list[int]]:
+        distinct = list(dict.fromkeys(job[0] for job in jobs))
         documents = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
-        questions = self._prompts.questions([question for _, question in jobs])
-        return [documents[document] + tokens
-                for (document, _), tokens in zip(jobs, questions, strict=True)]
+        questions = self._prompts.questions([job[1] for job in jobs])
+        return [documents[job[0]] + tokens for job, tokens in zip(jobs, questions, strict=True)]
 
 
-async def _burst(engine: Any, prompts: Sequence[list[int]], sampling: dict[str, Any], mode: str,
+def _grouped(jobs: Sequence[tuple[str, str, dict[str, Any]]]
+             ) -> list[tuple[str, str, dict[str, Any]]]:
+    by_document: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for job in jobs:
+        by_document.setdefault(job[0], []).append(job)
+    return [job for group in by_document.values() for job in group]
+
+
+async def _burst(engine: Any, prompts: Sequence[tuple[list[int], dict[str, Any]]], mode: str,
                  in_flight: int, tag: str) -> list[Any]:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+    params: dict[str, Any] = {}
+    for _, sampling in prompts:
+        key = json.dumps(sampling, sort_keys=True)
+        if key not in params:
+            params[key] = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
     limit = asyncio.Semaphore(in_flight if mode == "staggered" else len(prompts) or 1)
 
-    async def one(index: int, prompt: list[int]) -> Any:
+    async def one(index: int, prompt: list[int], sampling: dict[str, Any]) -> Any:
+        request_params = params[json.dumps(sampling, sort_keys=True)]
         async with limit:
             final = None
-            async for output in engine.generate({"prompt_token_ids": prompt}, params,
-                                                f"{tag}-{index}"):
+            async for output in engine.generate({"prompt_token_ids": prompt},
+                                                request_params, f"{tag}-{index}"):
                 final = output
             return final
 
-    return await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(prompts)))
+    return await asyncio.gather(*(one(index, prompt, sampling)
+                                  for index, (prompt, sampling) in enumerate(prompts)))

@@ -106,7 +106,3 @@ class ShardState:
                 args += [str(shard), tokens]
         if args:
             self._release(keys=[LOAD_KEY], args=args)
-
-    def loads(self) -> list[int]:
-        raw = self._redis.hgetall(LOAD_KEY)
-        return [int(raw.get(str(shard).encode(), 0)) for shard in range(self._shards)]

@@ -304,7 +304,7 @@ class Store:
                 select(func.count()).select_from(Job)
                 .where(Job.id.in_(list(job_ids)), Job.status.in_(_ACTIVE))).scalar_one()
 
-    def totals(self, since: datetime | None = None) -> dict[str, Any]:
+    def totals(self) -> dict[str, Any]:
         """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""
         by_status = select(Job.status, func.count()).group_by(Job.status)
         tokens = select(func.coalesce(func.sum(Job.prompt_tokens), 0),
@@ -313,10 +313,6 @@ class Store:
                         func.min(Job.submitted_at), func.max(Job.finished_at)
                         ).join(Result, Result.job_id == Job.id)
         per_shard = select(Job.shard, func.count()).group_by(Job.shard).order_by(Job.shard)
-        if since is not None:
-            by_status = by_status.where(Job.submitted_at >= since)
-            tokens = tokens.where(Job.submitted_at >= since)
-            per_shard = per_shard.where(Job.submitted_at >= since)
         with self.engine.connect() as connection:
             statuses = dict(connection.execute(by_status).all())
             prompt, completion, cached, first, last = connection.execute(tokens).one()

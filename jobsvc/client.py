@@ -221,11 +221,11 @@ class Client:
         return cancelled
 
     def _unfinished(self, job_ids: list[str]) -> list[str]:
-        records = self._store.get_many(job_ids)
-        missing = [job_id for job_id in job_ids if job_id not in records]
+        statuses = self._store.statuses(job_ids)
+        missing = [job_id for job_id in job_ids if job_id not in statuses]
         if missing:
             raise JobNotFound(f"no job with ID {missing[0]!r}")
-        return [job_id for job_id in job_ids if not records[job_id].finished]
+        return [job_id for job_id in job_ids if not statuses[job_id].finished]
 
     def _validate(self, index: int, job: Mapping[str, Any]) -> JobRequest:
         if not isinstance(job, Mapping):

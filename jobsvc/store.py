@@ -298,6 +298,13 @@ class Store:
             submitted_at=row.submitted_at, started_at=row.started_at,
             finished_at=row.finished_at) for row in rows}
 
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        """Just the statuses, for polling without fetching answers."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                select(Job.id, Job.status).where(Job.id.in_(list(job_ids)))).all()
+        return {job_id: JobStatus(status) for job_id, status in rows}
+
     def count_unfinished(self, job_ids: Sequence[str]) -> int:
         with self.engine.connect() as connection:
             return connection.execute(

@@ -9,7 +9,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +50,11 @@ class _Pending:
 
 
 class ResultRecorder:
-    def __init__(self, store: Store, shard_state: ShardState,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, store: Store, shard_state: ShardState) -> None:
         self._store = store
         self._shard_state = shard_state
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
-        self._sleep = sleep
 
     def start(self) -> None:
         self._thread.start()
@@ -113,24 +110,27 @@ class ResultRecorder:
         pending.completions[id(completion)] = (known, count + 1)
 
     def _write(self, pending: _Pending) -> None:
-        """Write until it succeeds: a database outage delays results, it never drops them."""
-        for attempt in itertools.count():
-            if not pending.outcomes and not pending.batch_stats:
-                break
-            try:
-                if pending.outcomes:
-                    self._store.record_outcomes(pending.outcomes)
-                self._store.record_batch_stats(pending.batch_stats)
-                break
-            except Exception as error:
-                delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
-                reason = str(error).splitlines()[0][:300]
-                log.warning("recording %d results failed (%s: %s); retrying in %.1f s",
-                            len(pending.outcomes), type(error).__name__, reason, delay)
-                self._sleep(delay)
+        if pending.outcomes or pending.batch_stats:
+            self._record_until_done(pending)
         try:
             self._shard_state.release(pending.releases)
         except Exception as error:
             log.warning("could not return shard load %s: %s", pending.releases, error)
         for completion, count in pending.completions.values():
             completion.committed(count)
+
+    def _record_until_done(self, pending: _Pending) -> None:
+        """Write until it succeeds: a database outage delays results, it never drops them
+        (outcome writes are idempotent, so a retry after a partial success is harmless)."""
+        for attempt in itertools.count():
+            try:
+                if pending.outcomes:
+                    self._store.record_outcomes(pending.outcomes)
+                self._store.record_batch_stats(pending.batch_stats)
+                return
+            except Exception as error:
+                delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
+                reason = str(error).splitlines()[0][:300]
+                log.warning("recording %d results failed (%s: %s); retrying in %.1f s",
+                            len(pending.outcomes), type(error).__name__, reason, delay)
+                time.sleep(delay)

@@ -31,7 +31,9 @@ class Settings:
     # KV block size used by both the engine and the prefix hash; they must agree.
     block_size: int = 128
     batch_size: int = 32
-    worker_concurrency: int = 4
+    # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
+    # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
+    worker_concurrency: int = 8
     zstd_level: int = 3
     max_document_chars: int = 2_000_000
     max_question_chars: int = 20_000

@@ -48,7 +48,7 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     postgres = PrivatePostgres(5441)
     postgres.start()
     settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                 requeue_interval=2, max_attempts=3)
+                                 requeue_interval=2, max_attempts=3, worker_concurrency=4)
     upgrade_to_head(postgres.url)
     workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
     try:
@@ -128,8 +128,9 @@ def test_an_engine_request_that_raises_fails_only_its_job(harness: Harness) -> N
 def test_cancelled_while_queued_never_runs_and_while_running_is_aborted(
         harness: Harness) -> None:
     client = harness.client
-    # Four full batches keep every worker thread busy, so the next message waits queued.
-    busy = _burst(client, 4 * harness.settings.batch_size, seed=102, max_tokens=64)
+    # A full batch per worker thread keeps them all busy, so the next message waits queued.
+    busy = _burst(client, harness.settings.worker_concurrency * harness.settings.batch_size,
+                  seed=102, max_tokens=64)
     queued_victims = _burst(client, 4, seed=107)
     for job_id in queued_victims:
         assert client.cancel(job_id)

@@ -47,6 +47,8 @@ class _Routed:
     epoch: str
     document_tokens: dict[str, list[int]]
     document_texts: dict[str, str]
+
+
 _WAIT_CHUNK = 5000
 
 
@@ -136,9 +138,11 @@ class Client:
             requests = [JobRequest(row["document"], row["question"], row["sampling"])
                         for row in stale]
             routed = self._route(requests, [row["job_id"] for row in stale])
-            self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
-                                      epoch)
+            # Enqueue first: if marking then fails, the next round enqueues these jobs again
+            # (a harmless duplicate run); marking first could lose them.
             self._publish(routed)
+            self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
+                                      routed.epoch)
         finally:
             lock.release()
         log.warning("requeued %d jobs whose messages were lost with an earlier Redis",

@@ -23,7 +23,7 @@ from jobsvc.migrate import upgrade_to_head
 from jobsvc.routing import queue_name
 from jobsvc.schema import BatchMessage, QueuedJob
 from jobsvc.settings import Settings
-from jobsvc.store import Result, Store, utcnow
+from jobsvc.store import Job, Result, Store, utcnow
 from jobsvc.transport import make_celery, publish
 from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE
@@ -48,7 +48,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     postgres = PrivatePostgres(5441)
     postgres.start()
     settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                 requeue_interval=2, max_attempts=3, worker_concurrency=4)
+                                 requeue_interval=2, max_attempts=3, worker_concurrency=4,
+                                 visibility_timeout=8)
     upgrade_to_head(postgres.url)
     workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
     try:
@@ -101,6 +102,24 @@ def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
     }
     FAULT_TABLE.append(row)
     return row
+
+
+def test_a_batch_running_longer_than_the_visibility_timeout_is_delivered_once(
+        harness: Harness) -> None:
+    client = harness.client
+    job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",
+                           max_tokens=3500, ignore_eos=True)
+    (record,) = client.wait([job_id], timeout=FINISH_TIMEOUT)
+    assert record.status is JobStatus.SUCCEEDED
+    # It ran well past the visibility timeout (plus kombu's 1 s restore scan), yet no
+    # second delivery claimed it: the worker kept renewing its lease.
+    assert (record.finished_at - record.started_at).total_seconds() > (
+        1.5 * harness.settings.visibility_timeout)
+    store = Store(harness.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        attempts = connection.execute(select(Job.attempts).where(Job.id == job_id)).scalar_one()
+    store.dispose()
+    assert attempts == 1
 
 
 def test_an_engine_request_that_raises_fails_only_its_job(harness: Harness) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,40 @@ def document_questions(documents: int, questions_per_document: int, words_per_do
             for _ in range(questions_per_document) for doc in docs]
 
 
+def popularity_counts(jobs: int, documents: int, exponent: float = 1.1) -> list[int]:
+    """Questions per document, most asked first: one each, the rest shared out in proportion to
+    1 / rank ** exponent (Zipf, largest remainders), so that a few documents draw most of the
+    reuse while most are asked once or twice, as with real users."""
+    if not 1 <= documents <= jobs:
+        raise ValueError(f"need 1 <= documents <= jobs, got {documents} documents for "
+                         f"{jobs} jobs; lower the document count")
+    weights = [rank ** -exponent for rank in range(1, documents + 1)]
+    total = sum(weights)
+    shares = [(jobs - documents) * weight / total for weight in weights]
+    counts = [1 + int(share) for share in shares]
+    by_remainder = sorted(range(documents), key=lambda rank: int(shares[rank]) - shares[rank])
+    for rank in by_remainder[:jobs - sum(counts)]:
+        counts[rank] += 1
+    return counts
+
+
+def uneven_jobs(jobs: int = 256, documents: int = 96, words: tuple[int, int] = (110, 820),
+                exponent: float = 1.1, seed: int = 0) -> list[WorkloadJob]:
+    """Jobs on documents of uneven popularity (`popularity_counts`) and uneven length (uniform
+    in `words`; about 300-2,500 tokens of the tiny tokenizer by default), shuffled so each
+    document's questions arrive spread over the burst. Hot documents and mixed prompt sizes
+    are what routing and caching meet in practice, and the even `reuse` burst never shows."""
+    shortest, longest = words
+    if not 1 <= shortest <= longest:
+        raise ValueError(f"need 1 <= shortest <= longest words per document, got {words}")
+    rng = random.Random(seed)
+    counts = popularity_counts(jobs, documents, exponent)
+    texts = [document(rng, rng.randint(shortest, longest)) for _ in counts]
+    order = [text for text, count in zip(texts, counts, strict=True) for _ in range(count)]
+    rng.shuffle(order)
+    return [WorkloadJob(text, question(rng)) for text in order]
+
+
 def training_corpus(paragraphs: int, seed: int = 1234) -> Iterator[str]:
     """Text the tiny tokenizer is trained on: documents and questions from the same lexicon."""
     rng = random.Random(seed)
@@ -92,3 +126,9 @@ def read_jsonl_jobs(path: Path) -> list[dict[str, Any]]:
             raise InvalidJob(f"{path}:{number}: each line needs a document and a question")
         jobs.append(job)
     return jobs
+
+
+def write_jsonl_jobs(path: Path, jobs: Iterable[WorkloadJob]) -> None:
+    """The file `read_jsonl_jobs` reads, so a generated workload can be kept and replayed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(job)) + "\n" for job in jobs))

@@ -55,7 +55,7 @@ class ShardState:
             pipe.hmget(AFFINITY_KEY, keys)
             pipe.hgetall(LOAD_KEY)
             known, raw_loads = pipe.execute()
-        loads = [int(raw_loads.get(str(shard).encode(), 0)) for shard in range(self._shards)]
+        loads = parse_loads(raw_loads, self._shards)
         placements: list[Placement] = []
         charges: dict[int, int] = {}
         for demand, value in zip(demands, known, strict=True):
@@ -106,3 +106,8 @@ class ShardState:
                 args += [str(shard), tokens]
         if args:
             self._release(keys=[LOAD_KEY], args=args)
+
+
+def parse_loads(raw: Mapping[bytes, bytes], shards: int) -> list[int]:
+    """Per-shard outstanding prefill from the load hash (a missing shard has none)."""
+    return [int(raw.get(str(shard).encode(), 0)) for shard in range(shards)]

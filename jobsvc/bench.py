@@ -21,9 +21,9 @@ from typing import Any
 import psutil
 import redis
 
-from jobsvc.affinity import AFFINITY_KEY, LOAD_KEY
+from jobsvc.affinity import ShardState
 from jobsvc.client import Client
-from jobsvc.local import LocalWorkers
+from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
     ArmResult,
     Pair,
@@ -34,15 +34,20 @@ from jobsvc.measure import (
 )
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing import document_demands, document_keys, plan_from_scratch
+from jobsvc.routers import Router, make_router, reset_routing_state
+from jobsvc.routing import document_keys
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
-from jobsvc.workloads import document_questions, read_jsonl_jobs
+from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
 log = logging.getLogger(__name__)
 
+# Documents and questions per document of the even workloads.
 NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
+# `zipf`: as many jobs as `reuse` on as many documents, asked with Zipf popularity (the most
+# asked document draws a fifth of the jobs, most are asked once or twice).
+ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
 
 
@@ -50,6 +55,9 @@ SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
 class BenchOptions:
     workload: str = "reuse"
     shards: int = 1
+    # Routing policy of the service arm (and so of the standalone arm's plan); None keeps
+    # JOBSVC_ROUTING.
+    policy: str | None = None
     trials: int = 7
     words: int = 520  # about 1,500 tokens of the tiny model's tokenizer
     output_tokens: int = 16
@@ -65,9 +73,12 @@ def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
     if options.workload in NAMED_WORKLOADS:
         documents, questions = NAMED_WORKLOADS[options.workload]
         generated = document_questions(documents, questions, options.words, seed=1000 + trial)
-        return [{"document": job.document, "question": job.question, **fixed}
-                for job in generated]
-    return [{**fixed, **job} for job in read_jsonl_jobs(Path(options.workload))]
+    elif options.workload == "zipf":
+        generated = uneven_jobs(ZIPF_JOBS, ZIPF_DOCUMENTS, (options.words, options.words),
+                                seed=1000 + trial)
+    else:
+        return [{**fixed, **job} for job in read_jsonl_jobs(Path(options.workload))]
+    return [{"document": job.document, "question": job.question, **fixed} for job in generated]
 
 
 @dataclass
@@ -79,22 +90,20 @@ class _Shape:
     bytes_raw: int
 
 
-def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, settings: Settings
+def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Router
            ) -> _Shape:
     distinct = list(dict.fromkeys(job["document"] for job in jobs))
     tokens = dict(zip(distinct, prompts.documents(distinct), strict=True))
     questions = prompts.questions([job["question"] for job in jobs])
-    keys = {text: document_keys(tokens[text], settings.block_size) for text in distinct}
+    block_size = router.settings.block_size
+    keys = {text: document_keys(tokens[text], block_size) for text in distinct}
     per_job = [(keys[job["document"]], len(tokens[job["document"]]) + len(question))
                for job, question in zip(jobs, questions, strict=True)]
-    demands = document_demands(per_job)
-    plan = dict(zip((demand.prefix_key for demand in demands),
-                    plan_from_scratch(demands, settings.shards), strict=True))
     return _Shape(
-        shard_of_job=[plan[doc.prefix_key] for doc, _ in per_job],
+        shard_of_job=router.plan(per_job),
         ideal_hit_rate=ideal_hit_rate(
             [(doc.document_key, len(tokens[job["document"]]), prompt)
-             for job, (doc, prompt) in zip(jobs, per_job, strict=True)], settings.block_size),
+             for job, (doc, prompt) in zip(jobs, per_job, strict=True)], block_size),
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 
@@ -125,6 +134,7 @@ class _Totals:
     shard_jobs: list[int] = field(default_factory=list)
     admission_ms: list[float] = field(default_factory=list)
     gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
+    gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
     bytes_enqueued: list[int] = field(default_factory=list)
     failed: int = 0
 
@@ -135,12 +145,13 @@ class _Bench:
         self.settings = settings
         self.options = options
         self.progress = progress
-        devices = ["0-1"] if settings.shards == 1 else [str(s % 2) for s in range(settings.shards)]
+        devices = shard_devices(settings)
         self.workers = LocalWorkers(settings, options.log_dir, devices=list(devices))
         self.devices = devices
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.celery = make_celery(settings)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
+        self.router = make_router(self.redis, ShardState(self.redis, settings.shards), settings)
         self.totals = _Totals(shard_jobs=[0] * settings.shards)
 
     def service_roots(self) -> list[psutil.Process]:
@@ -163,8 +174,8 @@ class _Bench:
 
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
                     record: bool = True) -> ArmResult:
-        self.redis.delete(AFFINITY_KEY, LOAD_KEY)
         self.celery.control.broadcast("reset_prefix_cache", reply=True, timeout=10)
+        reset_routing_state(self.redis, self.settings.shards)
         self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5)
         before = self.service_cpu()
         bytes_before = self.redis.info("stats")["total_net_input_bytes"]
@@ -190,6 +201,10 @@ class _Bench:
                 for worker, reading in reply.items():
                     totals.gc_pause_max_ms[worker] = max(
                         totals.gc_pause_max_ms.get(worker, 0.0), reading["gc_pause_max_ms"])
+                    by_generation = totals.gc_pause_max_ms_by_generation.setdefault(
+                        worker, [0.0, 0.0, 0.0])
+                    by_generation[:] = map(max, by_generation,
+                                           reading["gc_pause_max_ms_by_generation"])
             mismatched = sum(r.shard != planned
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
@@ -223,7 +238,9 @@ def _timestamp(moment: datetime | None) -> float:
 
 def run_bench(settings: Settings, options: BenchOptions,
               progress: Callable[[str], None] = print) -> dict[str, Any]:
-    settings = replace(settings, shards=options.shards)
+    settings = replace(settings, shards=options.shards,
+                       routing=options.policy or settings.routing)
+    settings.validate()
     upgrade_to_head(settings.resolved_database_url)
     bench = _Bench(settings, options, progress)
     from workers.standalone import ADMISSION_MODES, StandaloneEngines
@@ -243,7 +260,7 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
                modes: Sequence[str]) -> dict[str, Any]:
     options, progress = bench.options, bench.progress
     calibration_jobs = bench_jobs(options, trial=0)
-    calibration_shape = _shape(calibration_jobs, bench.prompts, bench.settings)
+    calibration_shape = _shape(calibration_jobs, bench.prompts, bench.router)
     # Both arms run full bursts before the pairs (the standalone arm through calibration),
     # so neither meets the burst shape for the first time inside a measured pair.
     bench.run_service(client, calibration_jobs, calibration_shape, record=False)
@@ -258,7 +275,7 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
     bytes_raw: list[int] = []
     for trial in range(1, options.trials + 1):
         jobs = bench_jobs(options, trial)
-        shape = _shape(jobs, bench.prompts, bench.settings)
+        shape = _shape(jobs, bench.prompts, bench.router)
         ideal_rates.append(shape.ideal_hit_rate)
         bytes_raw.append(shape.bytes_raw)
         service_first = trial % 2 == 0
@@ -285,6 +302,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
     result: dict[str, Any] = {
         "workload": options.workload,
         "shards": bench.settings.shards,
+        "policy": bench.settings.routing,
         "trials": len(pairs),
         "jobs_per_trial": pairs[0].service.jobs,
         "output_tokens": options.output_tokens,
@@ -300,6 +318,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "bytes_raw": sum(bytes_raw) // len(bytes_raw),
         "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
         "gc_pause_max_ms": totals.gc_pause_max_ms,
+        "gc_pause_max_ms_by_generation": totals.gc_pause_max_ms_by_generation,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
         "service_jobs_not_succeeded": totals.failed,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jobsvc.errors import JobsvcError
+from jobsvc.policies import POLICY_NAMES
 from jobsvc.settings import Settings
 from jobsvc.simulate import add_arguments as add_simulate_arguments
 
@@ -43,7 +44,8 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
     # Standard output is for the JSON result; the in-process engines log to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-    options = BenchOptions(workload=args.workload, shards=args.shards, trials=args.trials,
+    options = BenchOptions(workload=args.workload, shards=args.shards, policy=args.policy,
+                           trials=args.trials,
                            words=args.words, output_tokens=args.output_tokens,
                            json_path=args.json, plot_path=args.plot)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
@@ -93,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     bench = commands.add_parser(
         "bench", help="service vs standalone vLLM in alternated pairs; JSON on stdout")
-    bench.add_argument("--workload", default="reuse", help="unique, reuse or PATH.jsonl")
+    bench.add_argument("--workload", default="reuse", help="unique, reuse, zipf or PATH.jsonl")
     bench.add_argument("--shards", type=int, default=1)
+    bench.add_argument("--policy", choices=POLICY_NAMES,
+                       help="routing policy for this run (default: JOBSVC_ROUTING)")
     bench.add_argument("--trials", type=int, default=7, help="alternated pairs")
     bench.add_argument("--words", type=int, default=520,
                        help="words per generated document (520 is about 1,500 tokens)")

@@ -19,7 +19,8 @@ from jobsvc.affinity import ShardState
 from jobsvc.batching import form_batches
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing import DocumentKeys, Placement, document_demands, document_keys
+from jobsvc.routers import make_router
+from jobsvc.routing import document_keys
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -66,6 +67,7 @@ class Client:
             self.settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0), 5),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self._shard_state = ShardState(self._redis, self.settings.shards)
+        self._router = make_router(self._redis, self._shard_state, self.settings)
         self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
         self._celery = make_celery(self.settings)
 
@@ -95,7 +97,9 @@ class Client:
         job_ids = [uuid.uuid4().hex for _ in requests]
         routed = self._route(requests, job_ids)
         now = utcnow()
+        # Workers read each document's tokens from here: queue messages only name documents.
         document_rows = [{"key": key, "text_zst": compression.compress(text.encode()),
+                          "tokens_zst": compression.pack_tokens(routed.document_tokens[key]),
                           "tokens": len(routed.document_tokens[key]), "created_at": now}
                          for key, text in routed.document_texts.items()]
         job_rows = [{
@@ -159,18 +163,13 @@ class Client:
         keys = {text: document_keys(tokens, self.settings.block_size)
                 for text, tokens in document_tokens.items()}
         epoch = self._shard_state.epoch()
-        placements = self._place(requests, keys, document_tokens, question_tokens)
-        seen_prefixes: set[str] = set()
-        placed: list[tuple[int, QueuedJob]] = []
-        for job_id, request, tokens in zip(job_ids, requests, question_tokens, strict=True):
-            doc = keys[request.document]
-            placement = placements[doc.prefix_key]
-            prompt_tokens = len(document_tokens[request.document]) + len(tokens)
-            first_on_new = placement.is_new and doc.prefix_key not in seen_prefixes
-            seen_prefixes.add(doc.prefix_key)
-            prefill = prompt_tokens - (0 if first_on_new else doc.cacheable_tokens)
-            placed.append((placement.shard, QueuedJob(
-                job_id, doc.document_key, tokens, request.sampling, prefill)))
+        routes = self._router.route([
+            (keys[request.document], len(document_tokens[request.document]) + len(tokens))
+            for request, tokens in zip(requests, question_tokens, strict=True)])
+        placed = [(route.shard, QueuedJob(job_id, keys[request.document].document_key, tokens,
+                                          request.sampling, route.estimated_prefill))
+                  for job_id, request, tokens, route
+                  in zip(job_ids, requests, question_tokens, routes, strict=True)]
         return _Routed(
             placed=placed, epoch=epoch,
             document_tokens={keys[text].document_key: tokens
@@ -178,8 +177,9 @@ class Client:
             document_texts={keys[text].document_key: text for text in distinct})
 
     def _publish(self, routed: _Routed) -> None:
-        publish(self._celery, form_batches(routed.placed, routed.document_tokens,
-                                           self.settings.batch_size))
+        """Call only once the jobs' documents are recorded: messages name documents by key
+        and workers read them from the store."""
+        publish(self._celery, form_batches(routed.placed, self.settings.batch_size))
 
     def get(self, job_id: str) -> JobRecord:
         record = self._store.get_many([job_id]).get(job_id)
@@ -253,17 +253,6 @@ class Client:
                     f"job {index}: prompt of {prompt} tokens plus max_tokens "
                     f"{request.max_tokens} exceeds the model's context of {limit} tokens; "
                     "shorten the document or lower max_tokens")
-
-    def _place(self, requests: Sequence[JobRequest], keys: Mapping[str, DocumentKeys],
-               document_tokens: Mapping[str, list[int]],
-               question_tokens: Sequence[list[int]]) -> dict[str, Placement]:
-        """Route each distinct prefix once, charging its jobs' expected prefill work."""
-        demands = document_demands([
-            (keys[request.document], len(document_tokens[request.document]) + len(tokens))
-            for request, tokens in zip(requests, question_tokens, strict=True)])
-        placements = self._shard_state.place(demands)
-        return {demand.prefix_key: placement
-                for demand, placement in zip(demands, placements, strict=True)}
 
 
 def _charges(placed: Sequence[tuple[int, QueuedJob]]) -> dict[int, int]:

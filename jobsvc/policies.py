@@ -137,6 +137,8 @@ class CacheAwarePolicy(RoutingPolicy):
         # reported as its size (the learned value never exceeds the report).
         self.capacity: list[int] = [capacity_blocks] * shards
         self.reported_capacity: list[int] = [capacity_blocks] * shards
+        # Blocks a shard holds beyond those loaded into `held` (see `seed`).
+        self.unseen: list[int] = [0] * shards
 
     def overlap(self, shard: int, blocks: Sequence[Hashable]) -> int:
         """Blocks of the chain's prefix the shard is estimated to hold."""
@@ -162,7 +164,7 @@ class CacheAwarePolicy(RoutingPolicy):
         best = loads.index(least)
         if least == 0 and loads.count(0) > 1:
             best = min((shard for shard, load in enumerate(loads) if load == 0),
-                       key=lambda shard: len(held[shard]))
+                       key=lambda shard: len(held[shard]) + self.unseen[shard])
         best_cost, best_cached = prompt_tokens + self.weight * least, 0
         if not blocks:
             return best, 0
@@ -194,6 +196,15 @@ class CacheAwarePolicy(RoutingPolicy):
         self.capacity[shard] = min(self.reported_capacity[shard],
                                    max(len(blocks), self.capacity[shard] - error))
         self._touch(shard, blocks)
+
+    def seed(self, shard: int, prefixes: Sequence[Sequence[Hashable]], total_held: int) -> None:
+        """Load the part of a shard's estimate that matters for the jobs at hand from a store
+        shared by many routers: the held leading blocks of their chains, least recently used
+        first, and how many blocks the shard holds in all (the rest only break ties)."""
+        for prefix in prefixes:
+            if prefix:
+                self._touch(shard, prefix)
+        self.unseen[shard] = max(0, total_held - len(self.held[shard]))
 
     def set_capacity(self, shard: int, capacity_blocks: int) -> None:
         """A worker's report of its KV cache size in blocks (after a start or a resize)."""

@@ -38,6 +38,8 @@ class DocumentKeys:
     document_key: str
     # Tokens the engine can serve from cache once the document has been seen (full blocks).
     cacheable_tokens: int
+    # The chained hash of every full block: what the cache-aware router matches shards on.
+    blocks: tuple[bytes, ...]
 
 
 def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
@@ -46,7 +48,7 @@ def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
     last_full = hashes[-1] if hashes else _EMPTY
     whole = _chain(last_full, tokens[full:]) if full < len(tokens) else last_full
     prefix = last_full if hashes else whole
-    return DocumentKeys(prefix.hex(), whole.hex(), full)
+    return DocumentKeys(prefix.hex(), whole.hex(), full, tuple(hashes))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from jobsvc.errors import InvalidJob
 
-MESSAGE_VERSION = 1
+MESSAGE_VERSION = 2
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.0
 
@@ -142,17 +142,17 @@ class QueuedJob:
 
 @dataclass(frozen=True)
 class BatchMessage:
-    """One micro-batch for one shard. Each document's tokens travel once per message."""
+    """One micro-batch for one shard. Jobs name their documents by key and never carry them:
+    submit records every document, with its tokens, before it enqueues, and the worker reads
+    them from there; Redis holds no copy of a document to lose or expire."""
 
     shard: int
-    documents: dict[str, list[int]]
     jobs: list[QueuedJob]
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "v": MESSAGE_VERSION,
             "shard": self.shard,
-            "documents": self.documents,
             "jobs": [[job.job_id, job.document_key, job.question_tokens, job.sampling,
                       job.estimated_prefill] for job in self.jobs],
         }
@@ -162,23 +162,20 @@ class BatchMessage:
         """Rebuild a message, refusing anything that is not exactly our schema."""
         if not isinstance(data, dict) or data.get("v") != MESSAGE_VERSION:
             raise MessageError(f"not a version-{MESSAGE_VERSION} jobsvc batch")
-        shard, documents, jobs = data.get("shard"), data.get("documents"), data.get("jobs")
-        if not _is_int(shard) or not isinstance(documents, dict) or not isinstance(jobs, list):
-            raise MessageError("batch needs an integer shard, a documents map and a jobs list")
-        for key, tokens in documents.items():
-            if not isinstance(key, str) or not _is_token_list(tokens) or not tokens:
-                raise MessageError(f"document {key!r} is not a non-empty token list")
-        parsed = [_parse_job(entry, documents) for entry in jobs]
-        return cls(shard, documents, parsed)
+        shard, jobs = data.get("shard"), data.get("jobs")
+        if not _is_int(shard) or not isinstance(jobs, list):
+            raise MessageError("batch needs an integer shard and a jobs list")
+        return cls(shard, [_parse_job(entry) for entry in jobs])
 
 
-def _parse_job(entry: Any, documents: dict[str, list[int]]) -> QueuedJob:
+def _parse_job(entry: Any) -> QueuedJob:
     if not isinstance(entry, list) or len(entry) != 5:
         raise MessageError("a job entry must be [id, document_key, question_tokens, sampling, "
                            "estimated_prefill]")
     job_id, document_key, question_tokens, sampling, prefill = entry
-    if not isinstance(job_id, str) or not job_id or document_key not in documents:
-        raise MessageError(f"job {job_id!r} has no ID or names an unknown document")
+    if not (isinstance(job_id, str) and job_id and isinstance(document_key, str)
+            and document_key):
+        raise MessageError(f"job {job_id!r} has no ID or no document key")
     if not _is_token_list(question_tokens) or not isinstance(sampling, dict) or not _is_int(
             prefill):
         raise MessageError(f"job {job_id!r} has malformed tokens, sampling or prefill")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPOSITORY_ROOT / "ops" / "tiny-llama"
@@ -31,6 +32,13 @@ class Settings:
     # KV block size used by both the engine and the prefix hash; they must agree.
     block_size: int = 128
     batch_size: int = 32
+    # Shard choice: cache_aware (cache overlap against load), affinity (a document sticks to
+    # its first shard) or round_robin; see the README's routing section for the measurements.
+    routing: str = "cache_aware"
+    # cache_aware: prefill tokens one token of a shard's outstanding prefill is worth, and the
+    # slack over the mean outstanding prefill beyond which a shard takes no job.
+    routing_load_weight: float = DEFAULT_WEIGHT
+    routing_load_slack: float = DEFAULT_EPSILON
     # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
     # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
     worker_concurrency: int = 8
@@ -41,6 +49,9 @@ class Settings:
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = True
+    # Device of each shard in `jobsvc bench`, space-separated: GPU indices on GPU hosts, core
+    # lists such as 0-1 on CPU hosts. Empty: the split of a 2-core CPU host.
+    bench_devices: str = ""
     # Seconds before a crashed worker's unacknowledged batches are delivered again. Live
     # workers renew the lease on what they run, so long jobs are never delivered twice.
     visibility_timeout: int = 30
@@ -80,6 +91,12 @@ class Settings:
         if self.visibility_timeout < 3 or self.max_attempts < 1 or self.requeue_interval < 1:
             raise ConfigurationError("JOBSVC_VISIBILITY_TIMEOUT must be >= 3 and "
                                      "JOBSVC_MAX_ATTEMPTS, JOBSVC_REQUEUE_INTERVAL >= 1")
+        if self.routing not in POLICY_NAMES:
+            raise ConfigurationError(f"JOBSVC_ROUTING={self.routing!r} is not one of "
+                                     f"{', '.join(POLICY_NAMES)}")
+        if self.routing_load_weight < 0 or self.routing_load_slack < 0:
+            raise ConfigurationError(
+                "JOBSVC_ROUTING_LOAD_WEIGHT and JOBSVC_ROUTING_LOAD_SLACK must be >= 0")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
 

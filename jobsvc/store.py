@@ -2,10 +2,12 @@
 
 PostgreSQL is the record of every job; Redis only carries them. Writes are batched (one
 executemany per table per call) and idempotent, so a job delivered twice records one result.
+Documents are stored once, with their tokens: queue messages name them, workers read them here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +39,8 @@ from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.schema import JobStatus
 
+log = logging.getLogger(__name__)
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -52,6 +56,9 @@ class Document(Base):
     __tablename__ = "documents"
     key: Mapped[str] = mapped_column(String(32), primary_key=True)
     text_zst: Mapped[bytes] = mapped_column(LargeBinary)
+    # The producer's tokens (compression.pack_tokens), what workers run; none on documents
+    # recorded before tokens were stored, whose text workers tokenize instead.
+    tokens_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
     tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -148,6 +155,15 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def _tokens_or_text(key: str, tokens_zst: bytes | None, text_zst: bytes) -> list[int] | str:
+    if tokens_zst is not None:
+        try:
+            return compression.unpack_tokens(tokens_zst)
+        except compression.TokenFrameError as error:
+            log.warning("document %s: %s; its text is used instead", key, error)
+    return compression.decompress(text_zst).decode()
+
+
 def make_engine(database_url: str) -> Engine:
     if database_url.startswith("postgresql://"):
         database_url = "postgresql+psycopg://" + database_url.removeprefix("postgresql://")
@@ -220,6 +236,22 @@ class Store:
             rows = connection.execute(query).all()
         return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
                  "document": compression.decompress(row.text_zst).decode()} for row in rows]
+
+    def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str]:
+        """Each job's document by job ID: its recorded tokens or, where there are none that
+        read back, its text to tokenize. The job's own record, not the key a queue message
+        names, decides which document it is."""
+        query = (select(Job.id, Job.document_key, Document.tokens_zst, Document.text_zst)
+                 .join(Document, Document.key == Job.document_key)
+                 .where(Job.id.in_(list(job_ids))))
+        with self.engine.connect() as connection:
+            rows = connection.execute(query).all()
+        documents: dict[str, list[int] | str] = {}
+        for row in rows:
+            if row.document_key not in documents:
+                documents[row.document_key] = _tokens_or_text(row.document_key, row.tokens_zst,
+                                                              row.text_zst)
+        return {row.id: documents[row.document_key] for row in rows}
 
     def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:
         job = Job.__table__

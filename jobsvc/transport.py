@@ -1,7 +1,8 @@
 """The wire between producers and workers: one Celery app configuration both sides share,
 the task name, and batched publishing of micro-batch messages to shard queues.
 
-Messages are JSON only (nothing else is accepted), compressed whole with zstd."""
+Messages are JSON only (nothing else is accepted), compressed whole with zstd. They name
+documents by key and never carry them, so Redis holds little more than job IDs and questions."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def publish(app: Celery, messages: Sequence[BatchMessage]) -> None:
     with app.producer_or_acquire() as producer, producer.batch(max_size=max(1, len(messages))):
         for message in messages:
             queue = queue_name(message.shard)
+            # A summary for Flower, instead of Celery's truncated repr of the whole batch.
             app.send_task(RUN_BATCH_TASK, args=[message.to_wire()], queue=queue,
-                          routing_key=queue, producer=producer)
+                          routing_key=queue, producer=producer,
+                          argsrepr=f"shard {message.shard}: {len(message.jobs)} jobs")
 

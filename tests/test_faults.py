@@ -18,6 +18,7 @@ import redis
 from sqlalchemy import func, select
 
 from jobsvc import Client, JobStatus, StorageUnavailable
+from jobsvc.compression import pack_tokens
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.routing import queue_name
@@ -129,14 +130,14 @@ def test_an_engine_request_that_raises_fails_only_its_job(harness: Harness) -> N
     bad_id = uuid.uuid4().hex
     store = Store(harness.settings.resolved_database_url)
     store.record_submitted(
-        [{"key": "f" * 32, "text_zst": b"", "tokens": 3, "created_at": utcnow()}],
+        [{"key": "f" * 32, "text_zst": b"", "tokens_zst": pack_tokens([1, 2, 10_000_000]),
+          "tokens": 3, "created_at": utcnow()}],
         [{"id": bad_id, "document_key": "f" * 32, "question": "?", "sampling": {},
           "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
           "submitted_at": utcnow(), "redis_epoch": redis.Redis.from_url(
               harness.settings.redis_url).get("jobsvc:epoch").decode()}])
     store.dispose()
-    message = BatchMessage(0, {"f" * 32: [1, 2, 10_000_000]},
-                           [QueuedJob(bad_id, "f" * 32, [5], {"max_tokens": 4}, 4)])
+    message = BatchMessage(0, [QueuedJob(bad_id, "f" * 32, [5], {"max_tokens": 4}, 4)])
     publish(make_celery(harness.settings), [message])
     row = _tally(harness, "engine request raises", [*good, bad_id])
     assert row["lost"] == 0 and row["duplicated"] == 0

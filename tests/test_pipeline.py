@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 import time
+from dataclasses import replace
 
 import pytest
-from sqlalchemy import select
+import redis
+from sqlalchemy import select, update
 
 from jobsvc import Client, JobNotFound, JobStatus
-from jobsvc.compression import is_zstd_frame
+from jobsvc.compression import decompress, is_zstd_frame
 from jobsvc.local import LocalWorkers
-from jobsvc.store import Result, Store
+from jobsvc.settings import Settings
+from jobsvc.store import Document, Job, Result, Store
 from jobsvc.workloads import document, document_questions, question
 
 TIMEOUT = 180
@@ -104,3 +109,45 @@ def test_cancelling_a_running_job_aborts_it_in_the_engine(client: Client,
             errors="replace") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert f"aborts cancelled job {job_id}" in worker.log_path(0).read_text(errors="replace")
+
+
+def test_queue_messages_name_documents_without_carrying_them(routing_settings: Settings) -> None:
+    work = document_questions(documents=8, questions_per_document=4, words_per_document=500,
+                              seed=31)
+    jobs = [{"document": job.document, "question": job.question, "max_tokens": 16}
+            for job in work]
+    with Client(settings=replace(routing_settings, shards=1)) as producer:
+        producer.submit_many(jobs)
+    broker = redis.Redis.from_url(routing_settings.redis_url)
+    entries = broker.lrange("jobs.shard.0", 0, -1)
+    # Celery's body is [args, kwargs, options]; our batch is the only argument.
+    batches = [json.loads(decompress(base64.b64decode(json.loads(entry)["body"])))[0][0]
+               for entry in entries]
+    assert sum(len(batch["jobs"]) for batch in batches) == len(jobs)
+    assert all(set(batch) == {"v", "shard", "jobs"} for batch in batches)
+    raw = sum(len(json.dumps(job)) for job in jobs)
+    assert 16 * sum(map(len, entries)) < raw
+
+
+@pytest.mark.parametrize("tokens_zst", [None, b"not a token frame"],
+                         ids=["recorded-without-tokens", "unreadable-tokens"])
+def test_a_document_without_readable_tokens_runs_on_its_text(
+        client: Client, worker: LocalWorkers, tokens_zst: bytes | None) -> None:
+    rng = random.Random(41 if tokens_zst is None else 43)
+    text = document(rng, 400)
+    first = client.submit(text, question(rng), max_tokens=4)
+    client.wait([first], timeout=TIMEOUT)
+    store = Store(client.settings.resolved_database_url)
+    with store.engine.begin() as connection:
+        key = connection.execute(select(Job.document_key).where(Job.id == first)).scalar_one()
+        connection.execute(update(Document).where(Document.key == key)
+                           .values(tokens_zst=tokens_zst))
+    store.dispose()
+    job_id = client.submit(text, question(rng), max_tokens=4)
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
+    assert record.status is JobStatus.SUCCEEDED, record.error
+    # The engine found the first job's document in its cache: the tokens the worker made of
+    # the text start with the very blocks the producer recorded.
+    assert (record.cached_tokens or 0) >= client.settings.block_size
+    if tokens_zst is not None:
+        assert f"document {key}: not a" in worker.log_path(0).read_text(errors="replace")

@@ -33,29 +33,37 @@ def _job(job_id: str, document: str) -> QueuedJob:
 
 
 def test_batch_message_round_trips_through_its_wire_form() -> None:
-    message = BatchMessage(2, {"d": [1, 2, 3]}, [_job("a", "d"), _job("b", "d")])
+    message = BatchMessage(2, [_job("a", "d"), _job("b", "d")])
     assert BatchMessage.from_wire(message.to_wire()) == message
 
 
+def test_batch_messages_name_documents_and_carry_none() -> None:
+    wire = BatchMessage(0, [_job("a", "d")]).to_wire()
+    assert wire == {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10]]}
+
+
 @pytest.mark.parametrize("wire", [
-    None, [], {"v": 2}, {"v": 1, "shard": "0", "documents": {}, "jobs": []},
-    {"v": 1, "shard": 0, "documents": {"d": []}, "jobs": []},
-    {"v": 1, "shard": 0, "documents": {"d": [1, -2]}, "jobs": []},
-    {"v": 1, "shard": 0, "documents": {"d": [1]}, "jobs": [["a", "e", [1], {}, 1]]},
-    {"v": 1, "shard": 0, "documents": {"d": [1]}, "jobs": [["a", "d", [1], {"x": 1}, 1]]},
-    {"v": 1, "shard": 0, "documents": {"d": [1]}, "jobs": [["a", "d", [1], {}]]},
-    {"v": 1, "shard": True, "documents": {"d": [1]}, "jobs": []},
+    None, [], {"v": 2}, {"v": 2, "shard": "0", "jobs": []},
+    # Version 1 carried the documents' tokens; it is refused like any other version.
+    {"v": 1, "shard": 0, "documents": {"d": [1]}, "jobs": [["a", "d", [1], {}, 1]]},
+    {"v": 3, "shard": 0, "jobs": []},
+    {"v": 2, "shard": 0, "jobs": [["a", "", [1], {}, 1]]},
+    {"v": 2, "shard": 0, "jobs": [["a", ["d"], [1], {}, 1]]},
+    {"v": 2, "shard": 0, "jobs": [["", "d", [1], {}, 1]]},
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1, -2], {}, 1]]},
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {"x": 1}, 1]]},
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}]]},
+    {"v": 2, "shard": True, "jobs": []},
+    {"v": 2, "shard": 0, "jobs": {"a": "d"}},
 ])
 def test_messages_not_of_our_schema_are_refused(wire: object) -> None:
     with pytest.raises(MessageError):
         BatchMessage.from_wire(wire)
 
 
-def test_batches_keep_a_documents_questions_together_and_ship_each_document_once() -> None:
+def test_batches_keep_a_documents_questions_together() -> None:
     placed = [(0, _job("a1", "A")), (1, _job("b1", "B")), (0, _job("c1", "C")),
               (0, _job("a2", "A")), (0, _job("c2", "C")), (0, _job("a3", "A"))]
-    tokens = {"A": [1], "B": [2], "C": [3]}
-    messages = form_batches(placed, tokens, batch_size=4)
+    messages = form_batches(placed, batch_size=4)
     assert [(m.shard, [j.job_id for j in m.jobs]) for m in messages] == [
         (0, ["a1", "a2", "a3", "c1"]), (0, ["c2"]), (1, ["b1"])]
-    assert [sorted(m.documents) for m in messages] == [["A", "C"], ["C"], ["B"]]

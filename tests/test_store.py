@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from jobsvc.compression import compress, pack_tokens
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
@@ -59,3 +60,20 @@ def test_stale_jobs_are_those_of_another_redis_epoch(store: Store) -> None:
     assert job_id in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
     store.mark_requeued({job_id: 0}, "new-epoch")
     assert job_id not in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
+
+
+def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) -> None:
+    stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage"}
+    documents = {name: uuid.uuid4().hex for name in stored}
+    jobs = {name: uuid.uuid4().hex for name in [*stored, "tokens-again"]}
+    store.record_submitted(
+        [{"key": documents[name], "text_zst": compress(f"text of {name}".encode()),
+          "tokens_zst": tokens_zst, "tokens": 3, "created_at": utcnow()}
+         for name, tokens_zst in stored.items()],
+        [{"id": job_id, "document_key": documents[name.removesuffix("-again")],
+          "question": "q", "sampling": {}, "shard": 0, "status": "queued", "prompt_tokens": 4,
+          "estimated_prefill": 4, "submitted_at": utcnow(), "redis_epoch": "e"}
+         for name, job_id in jobs.items()])
+    assert store.job_documents([*jobs.values(), uuid.uuid4().hex]) == {
+        jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
+        jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}

@@ -1,32 +1,37 @@
 """The batch loop: one Celery task per micro-batch message. It refuses what is not ours, skips
-jobs cancelled while queued, admits the rest to the engine at once, and returns (so the
-message is acknowledged) only when every result is committed."""
+jobs cancelled while queued, reads the documents of the rest from the store, admits them to
+the engine at once, and returns (so the message is acknowledged) only when every result is
+committed."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobsvc.schema import BatchMessage, MessageError
+from jobsvc.prompts import PromptBuilder
+from jobsvc.schema import BatchMessage, MessageError, QueuedJob
 from jobsvc.store import JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
-from workers.recorder import Completion, ResultRecorder
+from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class BatchRunner:
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
-                 recorder: ResultRecorder, max_attempts: int) -> None:
+                 recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int) -> None:
         self.shard = shard
         self.worker_name = worker_name
         self.max_attempts = max_attempts
         self._store = store
+        self._prompts = prompts
         self._engine = engine
         self._recorder = recorder
         self._running: set[str] = set()
@@ -42,15 +47,22 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
-        runnable = self._claim([job.job_id for job in message.jobs])
+        job_ids = [job.job_id for job in message.jobs]
+        runnable = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
+            self._store.claim_for_running(job_ids, self.worker_name, self.max_attempts)))
         skipped = [job for job in message.jobs if job.job_id not in runnable]
         if skipped:
             log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
         jobs = [job for job in message.jobs if job.job_id in runnable]
-        requests = [EngineRequest(job.job_id, message.documents[job.document_key]
-                                  + job.question_tokens, job.sampling) for job in jobs]
+        documents = self._documents(jobs)
+        requests = [EngineRequest(job.job_id, documents[job.job_id] + job.question_tokens,
+                                  job.sampling) for job in jobs]
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
+        checks = {request.job_id: CacheCheck(
+            len(request.prompt_token_ids) - job.estimated_prefill,
+            len(documents[job.job_id]))
+            for job, request in zip(jobs, requests, strict=True)}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
         started = time.time()
@@ -60,7 +72,8 @@ class BatchRunner:
             with self._lock:
                 self._running.discard(result.job_id)
             self._recorder.job_finished(_outcome(result), message.shard,
-                                        prefill[result.job_id], completion)
+                                        prefill[result.job_id], checks[result.job_id],
+                                        completion)
 
         with self._lock:
             self._running.update(prefill)
@@ -70,19 +83,30 @@ class BatchRunner:
             self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
         return {"jobs": len(jobs), "skipped": len(skipped)}
 
-    def _claim(self, job_ids: list[str]) -> set[str]:
-        """Claim the batch's jobs, waiting out a database outage: the message stays
-        unacknowledged (and its lease renewed) until the database answers."""
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """Wait out a database outage: the message stays unacknowledged (and its lease
+        renewed) until the database answers."""
         delay = 0.5
         while True:
             try:
-                return self._store.claim_for_running(job_ids, self.worker_name,
-                                                     self.max_attempts)
+                return call()
             except SQLAlchemyError as error:
-                log.warning("shard %d cannot claim %d jobs (%s); retrying in %.1f s",
-                            self.shard, len(job_ids), type(error).__name__, delay)
+                log.warning("shard %d cannot %s (%s); retrying in %.1f s",
+                            self.shard, what, type(error).__name__, delay)
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
+
+    def _documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
+        """Each job's document tokens, by job ID, from the store (messages do not carry
+        documents); a document stored without tokens is tokenized here as the producer did."""
+        if not jobs:
+            return {}
+        stored = self._retrying(f"read the documents of {len(jobs)} jobs",
+                                lambda: self._store.job_documents([job.job_id for job in jobs]))
+        texts = list(dict.fromkeys(doc for doc in stored.values() if isinstance(doc, str)))
+        tokenized = dict(zip(texts, self._prompts.documents(texts), strict=True))
+        return {job_id: tokenized[doc] if isinstance(doc, str) else doc
+                for job_id, doc in stored.items()}
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

@@ -17,6 +17,8 @@ from celery.worker.control import control_command
 
 from jobsvc.affinity import ShardState
 from jobsvc.client import CANCEL_CHANNEL, Client
+from jobsvc.prompts import PromptBuilder
+from jobsvc.routers import CacheFeedback
 from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
 from jobsvc.store import Store
@@ -51,7 +53,9 @@ class WorkerRuntime:
         broker_fixes.install(self._redis)
         self._store = Store(settings.resolved_database_url)
         self.engine = EngineAdapter(engine_args(settings), on_engine_dead=self._engine_died)
-        self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards))
+        self._feedback = CacheFeedback(self._redis)
+        self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
+                                        self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self._stopped = threading.Event()
         self._background = [
@@ -63,11 +67,15 @@ class WorkerRuntime:
 
     def start(self) -> None:
         self.engine.start()
+        # A fresh engine holds nothing: the router forgets its estimate for this shard.
+        self._feedback.engine_started(self.shard, self.engine.cache_blocks)
         self._recorder.start()
         self.leases.start()
         self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder,
+                                  prompts=PromptBuilder(self.settings.model,
+                                                        self.settings.max_model_len),
                                   max_attempts=self.settings.max_attempts)
         for thread in self._background:
             thread.start()

@@ -112,6 +112,11 @@ class EngineAdapter:
         self.schedule(lambda engine: engine.reset_prefix_cache()).result()
 
     @property
+    def cache_blocks(self) -> int:
+        """The size of the engine's KV cache in blocks (known once it has started)."""
+        return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    @property
     def dead(self) -> bool:
         """True once the engine's processes are gone (it will never answer again)."""
         return self._engine is not None and bool(self._engine.errored)

@@ -1,6 +1,7 @@
 """Records finished jobs off the engine's path: one thread drains finished results, writes
-them in one transaction per drain, returns the shards' load, and only then releases the batch
-that waits for them (its message is acknowledged after that, so nothing finished is lost)."""
+them in one transaction per drain, returns the shards' load, tells the router how its cache
+estimates for them held up, and only then releases the batch that waits for them (its
+message is acknowledged after that, so nothing finished is lost)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobsvc.affinity import ShardState
+from jobsvc.routers import CacheFeedback
 from jobsvc.store import JobOutcome, Store
 
 log = logging.getLogger(__name__)
@@ -41,18 +43,31 @@ class Completion:
         return self._done.wait(timeout)
 
 
+@dataclass(frozen=True)
+class CacheCheck:
+    """What the router expected the engine to find cached for a job, to learn from."""
+
+    expected_tokens: int
+    document_tokens: int
+
+
 @dataclass
 class _Pending:
     outcomes: list[JobOutcome] = field(default_factory=list)
     releases: dict[int, int] = field(default_factory=dict)
+    # Per shard: expected minus actual cached blocks summed, longest document in blocks.
+    cache_errors: dict[int, tuple[int, int]] = field(default_factory=dict)
     completions: dict[int, tuple[Completion, int]] = field(default_factory=dict)
     batch_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResultRecorder:
-    def __init__(self, store: Store, shard_state: ShardState) -> None:
+    def __init__(self, store: Store, shard_state: ShardState, feedback: CacheFeedback,
+                 block_size: int) -> None:
         self._store = store
         self._shard_state = shard_state
+        self._feedback = feedback
+        self._block_size = block_size
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
 
@@ -64,9 +79,9 @@ class ResultRecorder:
         self._queue.put(None)
         self._thread.join()
 
-    def job_finished(self, outcome: JobOutcome, shard: int, prefill: int,
+    def job_finished(self, outcome: JobOutcome, shard: int, prefill: int, check: CacheCheck,
                      completion: Completion) -> None:
-        self._queue.put(("job", (outcome, shard, prefill, completion)))
+        self._queue.put(("job", (outcome, shard, prefill, check, completion)))
 
     def batch_finished(self, row: dict[str, Any]) -> None:
         self._queue.put(("batch", row))
@@ -93,8 +108,7 @@ class ResultRecorder:
             if stopping:
                 return
 
-    @staticmethod
-    def _add(pending: _Pending, item: tuple[str, Any]) -> None:
+    def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "batch":
             pending.batch_stats.append(payload)
@@ -103,9 +117,14 @@ class ResultRecorder:
             shard, tokens = payload
             pending.releases[shard] = pending.releases.get(shard, 0) + tokens
             return
-        outcome, shard, prefill, completion = payload
+        outcome, shard, prefill, check, completion = payload
         pending.outcomes.append(outcome)
         pending.releases[shard] = pending.releases.get(shard, 0) + prefill
+        if outcome.error is None:
+            error, floor = pending.cache_errors.get(shard, (0, 0))
+            pending.cache_errors[shard] = (
+                error + (check.expected_tokens - outcome.cached_tokens) // self._block_size,
+                max(floor, check.document_tokens // self._block_size))
         known, count = pending.completions.get(id(completion), (completion, 0))
         pending.completions[id(completion)] = (known, count + 1)
 
@@ -114,8 +133,10 @@ class ResultRecorder:
             self._record_until_done(pending)
         try:
             self._shard_state.release(pending.releases)
+            self._feedback.jobs_ran(pending.cache_errors)
         except Exception as error:
-            log.warning("could not return shard load %s: %s", pending.releases, error)
+            log.warning("could not return shard load %s or cache feedback: %s",
+                        pending.releases, error)
         for completion, count in pending.completions.values():
             completion.committed(count)
 

@@ -66,11 +66,17 @@ class WorkloadJob:
 def document_questions(documents: int, questions_per_document: int, words_per_document: int,
                        seed: int = 0) -> list[WorkloadJob]:
     """`documents` x `questions_per_document` jobs, questions interleaved across documents
-    the way independent users would send them (round by round, not document by document)."""
+    the way independent users would send them: round by round, one question per document in
+    each round, every round in its own order (a fixed order would let round robin over a shard
+    count that divides `documents` keep each document on one shard by accident)."""
     rng = random.Random(seed)
     docs = [document(rng, words_per_document) for _ in range(documents)]
-    return [WorkloadJob(doc, question(rng))
-            for _ in range(questions_per_document) for doc in docs]
+    jobs: list[WorkloadJob] = []
+    for _ in range(questions_per_document):
+        round_jobs = [WorkloadJob(doc, question(rng)) for doc in docs]
+        rng.shuffle(round_jobs)
+        jobs += round_jobs
+    return jobs
 
 
 def popularity_counts(jobs: int, documents: int, exponent: float = 1.1) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobsvc.workloads import (
+    document_questions,
     popularity_counts,
     read_jsonl_jobs,
     uneven_jobs,
@@ -64,3 +65,17 @@ def test_written_jobs_read_back_as_bench_jobs(tmp_path: Path) -> None:
     path = tmp_path / "workloads" / "uneven.jsonl"
     write_jsonl_jobs(path, jobs)
     assert read_jsonl_jobs(path) == [asdict(job) for job in jobs]
+
+
+def test_document_questions_ask_every_document_once_per_round_in_varying_order() -> None:
+    jobs = document_questions(8, 3, 20, seed=5)
+    rounds = [jobs[start:start + 8] for start in range(0, 24, 8)]
+    documents = {job.document for job in jobs}
+    assert len(documents) == 8
+    assert all({job.document for job in batch} == documents for batch in rounds)
+    orders = [[job.document for job in batch] for batch in rounds]
+    assert orders[0] != orders[1] or orders[1] != orders[2]
+    # Round robin over 2 shards no longer keeps every document on one shard by accident.
+    shards_of = {doc: {index % 2 for index, job in enumerate(jobs) if job.document == doc}
+                 for doc in documents}
+    assert any(len(shards) == 2 for shards in shards_of.values())

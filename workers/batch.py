@@ -56,7 +56,7 @@ class BatchRunner:
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
         jobs = [job for job in message.jobs if job.job_id in runnable]
         documents = self._documents(jobs)
-        requests = [EngineRequest(job.job_id, documents[job.job_id] + job.question_tokens,
+        requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
                                   job.sampling) for job in jobs]
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
         checks = {request.job_id: CacheCheck(

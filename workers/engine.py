@@ -26,7 +26,10 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class EngineRequest:
     job_id: str
-    prompt_token_ids: list[int]
+    # A tuple, not a list: the garbage collector stops tracking a tuple of ints the first time
+    # it meets one, while it walks every element of a live list at every collection. A message
+    # of 32 prompts of ~1,500 tokens held as lists made young collections pause for 3-8 ms.
+    prompt_token_ids: tuple[int, ...]
     sampling: dict[str, Any]
 
 
@@ -94,7 +97,7 @@ class EngineAdapter:
         self._engine = engine
         # One tiny request walks every code path once, so the modules and caches it loads
         # lazily exist before the owner freezes the garbage collector's view of start-up.
-        await self._run_batch([EngineRequest("warm-up", [0, 1, 2], {"max_tokens": 1})],
+        await self._run_batch([EngineRequest("warm-up", (0, 1, 2), {"max_tokens": 1})],
                               lambda _result: None)
         return engine
 

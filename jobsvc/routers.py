@@ -204,8 +204,9 @@ class CacheAwareRouter(Router):
                 if scores:
                     pipe.zadd(cache_key(shard), scores)
                     pipe.zremrangebyrank(cache_key(shard), 0, -capacity[shard] - 1)
+            for shard, tokens in _charges(routes).items():
+                pipe.hincrby(LOAD_KEY, str(shard), tokens)
             pipe.execute()
-        self._state.charge(_charges(routes))
 
 
 class CacheFeedback:

@@ -139,6 +139,19 @@ def test_cache_aware_forgets_reported_evictions_and_restarts() -> None:
     assert policy.overlap(0, DOC_A) == 2
 
 
+def test_a_seeded_partial_view_routes_like_the_full_state() -> None:
+    # A router sharing its state through Redis loads only the chains at hand, plus how much
+    # each shard holds in all: shard 0 holds DOC_A's first two blocks and 30 blocks besides.
+    policy = cache_aware(shards=3)
+    policy.seed(0, [DOC_A[:2]], total_held=32)
+    policy.seed(1, [], total_held=5)
+    assert policy.overlap(0, DOC_A) == 2
+    assert policy.route(DOC_A, PROMPT) == (0, 2 * BLOCK)
+    policy.charge(0, PROMPT)
+    # Of the idle shards, the one holding least (counting what was not loaded) gets DOC_B.
+    assert policy.route(DOC_B, PROMPT) == (2, 0)
+
+
 def test_cache_aware_route_tells_the_tokens_expected_cached_on_the_chosen_shard() -> None:
     policy = cache_aware()
     assert policy.route(DOC_A, PROMPT) == (0, 0)

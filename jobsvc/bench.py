@@ -135,6 +135,7 @@ class _Totals:
     admission_ms: list[float] = field(default_factory=list)
     gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
     gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
+    gc_cpu_max_ms: dict[str, float] = field(default_factory=dict)
     bytes_enqueued: list[int] = field(default_factory=list)
     failed: int = 0
 
@@ -201,6 +202,8 @@ class _Bench:
                 for worker, reading in reply.items():
                     totals.gc_pause_max_ms[worker] = max(
                         totals.gc_pause_max_ms.get(worker, 0.0), reading["gc_pause_max_ms"])
+                    totals.gc_cpu_max_ms[worker] = max(
+                        totals.gc_cpu_max_ms.get(worker, 0.0), reading["gc_cpu_max_ms"])
                     by_generation = totals.gc_pause_max_ms_by_generation.setdefault(
                         worker, [0.0, 0.0, 0.0])
                     by_generation[:] = map(max, by_generation,
@@ -319,6 +322,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
         "gc_pause_max_ms": totals.gc_pause_max_ms,
         "gc_pause_max_ms_by_generation": totals.gc_pause_max_ms_by_generation,
+        "gc_cpu_max_ms": totals.gc_cpu_max_ms,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
         "service_jobs_not_succeeded": totals.failed,

@@ -82,6 +82,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.gc_pauses.uninstall()
         self.leases.stop()
         self._recorder.stop()
         self.engine.shutdown()

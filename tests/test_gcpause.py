@@ -1,0 +1,31 @@
+"""The GC pause meter the benchmark reads from each worker."""
+
+from __future__ import annotations
+
+import gc
+
+from workers.gcpause import GcPauseMeter
+
+
+def test_meter_records_each_generation_and_starts_over_after_a_take() -> None:
+    meter = GcPauseMeter()
+    meter.install()
+    try:
+        cycles = []
+        for _ in range(20_000):
+            node: list[object] = []
+            node.append(node)
+            cycles.append(node)
+        del cycles, node
+        gc.collect(0)
+        gc.collect(2)
+        reading = meter.take()
+    finally:
+        meter.uninstall()
+    assert reading["gc_collections_by_generation"][0] >= 1
+    assert reading["gc_collections_by_generation"][2] >= 1
+    walls = reading["gc_pause_max_ms_by_generation"]
+    assert walls[2] > 0 and reading["gc_pause_max_ms"] == max(walls)
+    # Collection CPU time can exceed wall time only by the clocks' resolution.
+    assert 0 < reading["gc_cpu_max_ms"] <= reading["gc_pause_max_ms"] + 1
+    assert meter.take()["gc_pause_max_ms"] == 0.0

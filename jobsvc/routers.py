@@ -12,6 +12,7 @@ caches, without Redis: the benchmark's standalone arm follows it.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from jobsvc.errors import BrokerUnavailable
 from jobsvc.policies import AffinityPolicy, CacheAwarePolicy, RoundRobinPolicy
 from jobsvc.routing import DocumentKeys, document_demands, plan_from_scratch
 from jobsvc.settings import Settings
+
+log = logging.getLogger(__name__)
 
 ROUND_ROBIN_KEY = "jobsvc:round-robin"
 CACHE_KEY_PREFIX = "jobsvc:cache:"
@@ -135,7 +138,12 @@ class CacheAwareRouter(Router):
             routes = _decide(policy, jobs)
             self._save(jobs, routes, clock, policy.capacity)
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                # Held past its timeout: another producer may have routed on the state this
+                # one was about to write, which costs a cache miss, never a job.
+                log.warning("routing took over %d s; the routing lock had expired", _LOCK_SECONDS)
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:

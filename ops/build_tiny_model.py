@@ -36,7 +36,9 @@ CONFIG = {
     "vocab_size": VOCAB_SIZE,
     "bos_token_id": 0,
     "eos_token_id": 1,
-    "torch_dtype": "bfloat16",
+    # float32: bfloat16 runs about 3x slower on CPUs without native bfloat16 (AVX2 only),
+    # and every CPU vLLM supports runs float32 natively.
+    "torch_dtype": "float32",
 }
 
 TOKENIZER_CONFIG = {

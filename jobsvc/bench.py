@@ -27,9 +27,11 @@ from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
     ArmResult,
     Pair,
+    ProcessKey,
     cpu_seconds_used,
     ideal_hit_rate,
     percentile,
+    reading_at,
     summarize_pairs,
 )
 from jobsvc.migrate import upgrade_to_head
@@ -49,6 +51,11 @@ NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
 # asked document draws a fifth of the jobs, most are asked once or twice).
 ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
+# vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
+ENGINE_PROCESS_PREFIX = "VLLM::"
+# Between the service arm's polls for its unfinished jobs (each poll asks only for the jobs
+# still unfinished, so the last polls are cheap).
+_POLL_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,9 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 
-def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool) -> dict[int, float]:
-    times: dict[int, float] = {}
+def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool
+              ) -> dict[ProcessKey, float]:
+    times: dict[ProcessKey, float] = {}
     for root in roots:
         try:
             members = [root, *root.children(recursive=True)] if descendants else [root]
@@ -117,9 +125,10 @@ def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool) -> dict[int
         for member in members:
             try:
                 cpu = member.cpu_times()
+                engine = member.name().startswith(ENGINE_PROCESS_PREFIX)
             except psutil.NoSuchProcess:
                 continue
-            times[member.pid] = cpu.user + cpu.system
+            times[member.pid, engine] = cpu.user + cpu.system
     return times
 
 
@@ -162,16 +171,16 @@ class _Bench:
         return [process for process in psutil.process_iter(["name"])
                 if process.info["name"] in SERVER_PROCESS_NAMES]
 
-    def service_cpu(self) -> dict[int, float]:
+    def service_cpu(self) -> dict[ProcessKey, float]:
         return {**_tree_cpu([psutil.Process()], descendants=False),
                 **_tree_cpu(self.service_roots(), descendants=True),
                 **_tree_cpu(self.server_processes(), descendants=False)}
 
-    def standalone_cpu(self) -> dict[int, float]:
+    def standalone_cpu(self) -> dict[ProcessKey, float]:
         service = set(_tree_cpu(self.service_roots(), descendants=True))
-        return {pid: seconds
-                for pid, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
-                if pid not in service}
+        return {key: seconds
+                for key, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
+                if key not in service}
 
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
                     record: bool = True) -> ArmResult:
@@ -183,11 +192,20 @@ class _Bench:
         started = time.time()
         ids = client.submit_many(jobs)
         bytes_after = self.redis.info("stats")["total_net_input_bytes"]
-        while client.pending(ids):
-            time.sleep(0.25)
-        cpu = cpu_seconds_used(before, self.service_cpu())
+        # CPU is sampled at every poll and read off at the moment the last job finished, as
+        # the standalone arm's is read when its last request returns.
+        samples: list[tuple[float, tuple[float, float]]] = []
+        pending = ids
+        while pending:
+            samples.append((time.time(), cpu_seconds_used(before, self.service_cpu())))
+            pending = client.unfinished(pending)
+            if pending:
+                time.sleep(_POLL_SECONDS)
+        samples.append((time.time(), cpu_seconds_used(before, self.service_cpu())))
         records = client.wait(ids)
         finished = max(_timestamp(record.finished_at) for record in records)
+        cpu, outside_engine = (reading_at([(moment, used[part]) for moment, used in samples],
+                                          finished) for part in (0, 1))
         if record:
             totals = self.totals
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -213,7 +231,7 @@ class _Bench:
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
         return ArmResult(len(ids), finished - started,
-                         sum(r.completion_tokens or 0 for r in records), cpu)
+                         sum(r.completion_tokens or 0 for r in records), cpu, outside_engine)
 
     def run_standalone(self, engines: Any, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -226,11 +244,11 @@ class _Bench:
         before = self.standalone_cpu()
         run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
                           * self.settings.worker_concurrency)
-        cpu = cpu_seconds_used(before, self.standalone_cpu())
+        cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
-        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu)
+        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu, outside_engine)
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -293,7 +311,9 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
         progress(f"pair {trial}/{options.trials}: service {service.requests_per_second:.2f} "
                  f"req/s, standalone {standalone.requests_per_second:.2f} req/s, "
                  f"ratio {pair.ratio:.4f}; CPU s/job {service.cpu_seconds_per_job:.4f} vs "
-                 f"{standalone.cpu_seconds_per_job:.4f}")
+                 f"{standalone.cpu_seconds_per_job:.4f}, outside the engine "
+                 f"{service.outside_engine_cpu_seconds_per_job:.4f} vs "
+                 f"{standalone.outside_engine_cpu_seconds_per_job:.4f}")
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 
@@ -335,6 +355,10 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
             "service_tokens_per_s": pair.service.tokens_per_second,
             "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,
             "service_cpu_s_per_job": pair.service.cpu_seconds_per_job,
+            "standalone_outside_engine_cpu_s_per_job":
+                pair.standalone.outside_engine_cpu_seconds_per_job,
+            "service_outside_engine_cpu_s_per_job":
+                pair.service.outside_engine_cpu_seconds_per_job,
         } for pair in pairs],
     }
     if options.json_path:

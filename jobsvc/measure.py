@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,11 +25,39 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 0.5)
 
 
-def cpu_seconds_used(before: Mapping[int, float], after: Mapping[int, float]) -> float:
-    """CPU seconds spent between two snapshots of {pid: cumulative CPU seconds}. A process
-    that appeared in between counts from zero; one that vanished is not counted (its time
-    after the first snapshot cannot be known)."""
-    return sum(total - before.get(pid, 0.0) for pid, total in after.items())
+# A process in a CPU snapshot: its PID, and whether it is one of vLLM's engine processes.
+ProcessKey = tuple[int, bool]
+
+
+def cpu_seconds_used(before: Mapping[ProcessKey, float],
+                     after: Mapping[ProcessKey, float]) -> tuple[float, float]:
+    """CPU seconds spent between two snapshots of {process: cumulative CPU seconds}, in all
+    and outside the engine's processes. A process that appeared in between counts from zero;
+    one that vanished is not counted (its time after the first snapshot cannot be known).
+
+    The part outside the engine is the steady one: vLLM's engine processes spin-wait on their
+    cores between steps, so their CPU time follows the wall clock, noise included."""
+    used = {key: total - before.get(key, 0.0) for key, total in after.items()}
+    return sum(used.values()), sum(seconds for (_, engine), seconds in used.items()
+                                   if not engine)
+
+
+def reading_at(samples: Sequence[tuple[float, float]], moment: float) -> float:
+    """A cumulative reading (such as CPU seconds) at `moment`, interpolated linearly between
+    the (time, reading) samples around it, or the nearest sample outside them. Lets an arm's
+    CPU be counted up to the moment its last job finished rather than to the poll that
+    noticed: the engine's idle workers spin on their cores for a while after the last step,
+    and that spin would otherwise be charged to the arm that polls."""
+    if not samples:
+        raise ValueError("reading_at needs at least one sample")
+    ordered = sorted(samples)
+    if moment <= ordered[0][0]:
+        return ordered[0][1]
+    for (start, low), (end, high) in itertools.pairwise(ordered):
+        if moment <= end:
+            share = (moment - start) / (end - start) if end > start else 1.0
+            return low + (high - low) * share
+    return ordered[-1][1]
 
 
 @dataclass(frozen=True)
@@ -39,6 +68,8 @@ class ArmResult:
     seconds: float
     output_tokens: int
     cpu_seconds: float
+    # The part of cpu_seconds spent outside vLLM's engine processes.
+    outside_engine_cpu_seconds: float
 
     @property
     def requests_per_second(self) -> float:
@@ -51,6 +82,10 @@ class ArmResult:
     @property
     def cpu_seconds_per_job(self) -> float:
         return self.cpu_seconds / self.jobs
+
+    @property
+    def outside_engine_cpu_seconds_per_job(self) -> float:
+        return self.outside_engine_cpu_seconds / self.jobs
 
 
 @dataclass(frozen=True)
@@ -67,10 +102,10 @@ class Pair:
 
 def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float]:
     ratios = [pair.ratio for pair in pairs]
-    service_cpu = sum(pair.service.cpu_seconds for pair in pairs) / sum(
-        pair.service.jobs for pair in pairs)
-    standalone_cpu = sum(pair.standalone.cpu_seconds for pair in pairs) / sum(
-        pair.standalone.jobs for pair in pairs)
+    service_cpu = _per_job(pairs, "service", "cpu_seconds")
+    standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")
+    service_outside = _per_job(pairs, "service", "outside_engine_cpu_seconds")
+    standalone_outside = _per_job(pairs, "standalone", "outside_engine_cpu_seconds")
     return {
         "median_ratio": median(ratios),
         "min_ratio": min(ratios),
@@ -78,7 +113,19 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float]:
         "standalone_cpu_seconds_per_job": standalone_cpu,
         "service_cpu_seconds_per_job": service_cpu,
         "cpu_ratio": service_cpu / standalone_cpu,
+        "standalone_outside_engine_cpu_seconds_per_job": standalone_outside,
+        "service_outside_engine_cpu_seconds_per_job": service_outside,
+        # What the service adds outside the engine, as a share of all standalone CPU: the
+        # overhead that wall-clock noise cannot hide or fake.
+        "added_cpu_share": (service_outside - standalone_outside) / standalone_cpu,
     }
+
+
+def _per_job(pairs: Sequence[Pair], arm: str, seconds: str) -> float:
+    """CPU seconds of one kind per job, over all pairs, for one arm."""
+    results = [getattr(pair, arm) for pair in pairs]
+    return (sum(getattr(result, seconds) for result in results)
+            / sum(result.jobs for result in results))
 
 
 def ideal_hit_rate(jobs: Sequence[tuple[str, int, int]], block_size: int) -> float:

@@ -16,6 +16,7 @@ from jobsvc.measure import (
     ideal_hit_rate,
     median,
     percentile,
+    reading_at,
     summarize_pairs,
 )
 from jobsvc.workloads import read_jsonl_jobs
@@ -32,11 +33,14 @@ def test_percentiles_interpolate_linearly() -> None:
 
 
 def test_cpu_used_counts_new_processes_from_zero_and_ignores_vanished_ones() -> None:
-    assert cpu_seconds_used({1: 10.0, 2: 5.0}, {1: 12.5, 3: 1.0}) == pytest.approx(3.5)
+    before = {(1, False): 10.0, (2, False): 5.0, (4, True): 20.0}
+    after = {(1, False): 12.5, (3, False): 1.0, (4, True): 26.0, (5, True): 2.0}
+    assert cpu_seconds_used(before, after) == pytest.approx((11.5, 3.5))
 
 
-def _arm(jobs: int, seconds: float, cpu: float) -> ArmResult:
-    return ArmResult(jobs=jobs, seconds=seconds, output_tokens=jobs * 16, cpu_seconds=cpu)
+def _arm(jobs: int, seconds: float, cpu: float, outside_engine: float = 1.0) -> ArmResult:
+    return ArmResult(jobs=jobs, seconds=seconds, output_tokens=jobs * 16, cpu_seconds=cpu,
+                     outside_engine_cpu_seconds=outside_engine)
 
 
 def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
@@ -47,7 +51,17 @@ def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
     assert summary["median_ratio"] == pytest.approx(10.0 / 10.1)
     assert summary["min_ratio"] == pytest.approx(10.0 / 10.5)
     assert summary["cpu_ratio"] == pytest.approx(60.6 / 60.0)
+    assert summary["added_cpu_share"] == 0.0
     assert pairs[0].service.tokens_per_second == pytest.approx(1600 / 10.1)
+
+
+def test_added_cpu_share_compares_the_cpu_each_arm_spends_outside_the_engine() -> None:
+    pairs = [Pair(_arm(100, 10.0, 20.0, 0.5), _arm(100, 10.0, 21.0, 0.9), False),
+             Pair(_arm(100, 10.0, 20.0, 0.5), _arm(100, 10.0, 19.0, 0.7), True)]
+    summary = summarize_pairs(pairs)
+    assert summary["standalone_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.005)
+    assert summary["service_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.008)
+    assert summary["added_cpu_share"] == pytest.approx(0.6 / 40.0)
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:
@@ -76,3 +90,14 @@ def test_jsonl_workloads_keep_their_own_sampling_and_refuse_incomplete_lines(
     path.write_text(json.dumps({"document": "d"}) + "\n")
     with pytest.raises(InvalidJob, match=r"jobs\.jsonl:1"):
         read_jsonl_jobs(path)
+
+
+def test_readings_are_interpolated_at_a_moment_between_samples() -> None:
+    samples = [(10.0, 1.0), (12.0, 5.0), (11.0, 2.0)]
+    assert reading_at(samples, 11.5) == pytest.approx(3.5)
+    assert reading_at(samples, 11.0) == pytest.approx(2.0)
+    assert reading_at(samples, 9.0) == 1.0
+    assert reading_at(samples, 13.0) == 5.0
+    assert reading_at([(3.0, 7.0), (3.0, 7.0)], 3.0) == 7.0
+    with pytest.raises(ValueError):
+        reading_at([], 1.0)

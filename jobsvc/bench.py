@@ -53,9 +53,10 @@ ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
-# Between the service arm's polls for its unfinished jobs (each poll asks only for the jobs
-# still unfinished, so the last polls are cheap).
-_POLL_SECONDS = 0.25
+# Between the service arm's polls for its unfinished jobs. Each poll asks only for the jobs
+# still unfinished and samples the CPU counters; the arm's CPU is interpolated between
+# samples, so a longer interval costs no accuracy.
+_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,10 @@ class _Bench:
         return [process for process in psutil.process_iter(["name"])
                 if process.info["name"] in SERVER_PROCESS_NAMES]
 
-    def service_cpu(self) -> dict[ProcessKey, float]:
+    def service_cpu(self, servers: Iterable[psutil.Process]) -> dict[ProcessKey, float]:
         return {**_tree_cpu([psutil.Process()], descendants=False),
                 **_tree_cpu(self.service_roots(), descendants=True),
-                **_tree_cpu(self.server_processes(), descendants=False)}
+                **_tree_cpu(servers, descendants=False)}
 
     def standalone_cpu(self) -> dict[ProcessKey, float]:
         service = set(_tree_cpu(self.service_roots(), descendants=True))
@@ -187,21 +188,32 @@ class _Bench:
         self.celery.control.broadcast("reset_prefix_cache", reply=True, timeout=10)
         reset_routing_state(self.redis, self.settings.shards)
         self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5)
-        before = self.service_cpu()
+        servers = self.server_processes()
+        before = self.service_cpu(servers)
         bytes_before = self.redis.info("stats")["total_net_input_bytes"]
         started = time.time()
         ids = client.submit_many(jobs)
         bytes_after = self.redis.info("stats")["total_net_input_bytes"]
         # CPU is sampled at every poll and read off at the moment the last job finished, as
-        # the standalone arm's is read when its last request returns.
+        # the standalone arm's is read when its last request returns. The sampling's own CPU
+        # is the bench's, not the service's: it is taken out.
         samples: list[tuple[float, tuple[float, float]]] = []
+        sampling = 0.0
+
+        def sample() -> None:
+            nonlocal sampling
+            sampling_started = time.thread_time()
+            total, outside_engine = cpu_seconds_used(before, self.service_cpu(servers))
+            sampling += time.thread_time() - sampling_started
+            samples.append((time.time(), (total - sampling, outside_engine - sampling)))
+
         pending = ids
         while pending:
-            samples.append((time.time(), cpu_seconds_used(before, self.service_cpu())))
+            sample()
             pending = client.unfinished(pending)
             if pending:
                 time.sleep(_POLL_SECONDS)
-        samples.append((time.time(), cpu_seconds_used(before, self.service_cpu())))
+        sample()
         records = client.wait(ids)
         finished = max(_timestamp(record.finished_at) for record in records)
         cpu, outside_engine = (reading_at([(moment, used[part]) for moment, used in samples],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from jobsvc.errors import ConfigurationError
 from jobsvc.local import shard_devices
 from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
 from jobsvc.workloads import document_questions, lexicon
+from workers.engine import engine_args
 
 
 def test_settings_read_typed_values_from_the_environment() -> None:
@@ -23,7 +25,7 @@ def test_settings_read_typed_values_from_the_environment() -> None:
 
 @pytest.mark.parametrize("environ", [{"JOBSVC_SHARDS": "two"}, {"JOBSVC_SHARDS": "0"},
                                      {"JOBSVC_ENFORCE_EAGER": "maybe"},
-                                     {"JOBSVC_ZSTD_LEVEL": "40"}])
+                                     {"JOBSVC_ZSTD_LEVEL": "40"}, {"JOBSVC_DTYPE": "fp8"}])
 def test_bad_settings_are_refused_with_the_variable_named(environ: dict[str, str]) -> None:
     with pytest.raises(ConfigurationError, match="JOBSVC_"):
         Settings.from_env(environ)
@@ -48,3 +50,9 @@ def test_bench_devices_give_each_shard_its_device_or_the_cpu_split() -> None:
     assert shard_devices(Settings.from_env({})) == ["0-1"]
     with pytest.raises(ConfigurationError, match="JOBSVC_BENCH_DEVICES"):
         shard_devices(replace(gpus, shards=2))
+
+
+def test_the_tiny_model_runs_float32_unless_told_otherwise(tmp_path: Path) -> None:
+    assert engine_args(Settings.from_env({}))["dtype"] == "float32"
+    assert engine_args(Settings.from_env({"JOBSVC_DTYPE": "bfloat16"}))["dtype"] == "bfloat16"
+    assert engine_args(Settings.from_env({"JOBSVC_MODEL": str(tmp_path)}))["dtype"] == "auto"

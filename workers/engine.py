@@ -49,6 +49,7 @@ def engine_args(settings: Settings) -> dict[str, Any]:
     args: dict[str, Any] = {
         "model": settings.model,
         "load_format": settings.load_format,
+        "dtype": settings.resolved_dtype,
         "enforce_eager": settings.enforce_eager,
         "enable_prefix_caching": True,
         "block_size": settings.block_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ from jobsvc.measure import (
     ideal_hit_rate,
     percentile,
     reading_at,
+    steal_seconds,
     summarize_pairs,
 )
 from jobsvc.migrate import upgrade_to_head
@@ -115,6 +117,15 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 
+def _steal_now() -> float:
+    """Seconds stolen from this machine's cores by the hypervisor so far (0 off Linux)."""
+    try:
+        text = Path("/proc/stat").read_text()
+    except OSError:
+        return 0.0
+    return steal_seconds(text, os.sysconf("SC_CLK_TCK"))
+
+
 def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool
               ) -> dict[ProcessKey, float]:
     times: dict[ProcessKey, float] = {}
@@ -190,6 +201,7 @@ class _Bench:
         self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5)
         servers = self.server_processes()
         before = self.service_cpu(servers)
+        steal_before = _steal_now()
         bytes_before = self.redis.info("stats")["total_net_input_bytes"]
         started = time.time()
         ids = client.submit_many(jobs)
@@ -197,7 +209,7 @@ class _Bench:
         # CPU is sampled at every poll and read off at the moment the last job finished, as
         # the standalone arm's is read when its last request returns. The sampling's own CPU
         # is the bench's, not the service's: it is taken out.
-        samples: list[tuple[float, tuple[float, float]]] = []
+        samples: list[tuple[float, tuple[float, float, float]]] = []
         sampling = 0.0
 
         def sample() -> None:
@@ -205,7 +217,8 @@ class _Bench:
             sampling_started = time.thread_time()
             total, outside_engine = cpu_seconds_used(before, self.service_cpu(servers))
             sampling += time.thread_time() - sampling_started
-            samples.append((time.time(), (total - sampling, outside_engine - sampling)))
+            samples.append((time.time(), (total - sampling, outside_engine - sampling,
+                                          _steal_now() - steal_before)))
 
         pending = ids
         while pending:
@@ -216,8 +229,9 @@ class _Bench:
         sample()
         records = client.wait(ids)
         finished = max(_timestamp(record.finished_at) for record in records)
-        cpu, outside_engine = (reading_at([(moment, used[part]) for moment, used in samples],
-                                          finished) for part in (0, 1))
+        cpu, outside_engine, steal = (
+            reading_at([(moment, used[part]) for moment, used in samples], finished)
+            for part in (0, 1, 2))
         if record:
             totals = self.totals
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -243,7 +257,8 @@ class _Bench:
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
         return ArmResult(len(ids), finished - started,
-                         sum(r.completion_tokens or 0 for r in records), cpu, outside_engine)
+                         sum(r.completion_tokens or 0 for r in records), cpu, outside_engine,
+                         steal)
 
     def run_standalone(self, engines: Any, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -254,13 +269,15 @@ class _Bench:
                         if key not in ("document", "question")}
             per_engine[shard].append((job["document"], job["question"], sampling))
         before = self.standalone_cpu()
+        steal_before = _steal_now()
         run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
                           * self.settings.worker_concurrency)
+        steal = _steal_now() - steal_before
         cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
-        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu, outside_engine)
+        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu, outside_engine, steal)
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -325,7 +342,8 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
                  f"ratio {pair.ratio:.4f}; CPU s/job {service.cpu_seconds_per_job:.4f} vs "
                  f"{standalone.cpu_seconds_per_job:.4f}, outside the engine "
                  f"{service.outside_engine_cpu_seconds_per_job:.4f} vs "
-                 f"{standalone.outside_engine_cpu_seconds_per_job:.4f}")
+                 f"{standalone.outside_engine_cpu_seconds_per_job:.4f}; stolen by the "
+                 f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s")
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 
@@ -371,6 +389,8 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
                 pair.standalone.outside_engine_cpu_seconds_per_job,
             "service_outside_engine_cpu_s_per_job":
                 pair.service.outside_engine_cpu_seconds_per_job,
+            "standalone_steal_s": pair.standalone.steal_seconds,
+            "service_steal_s": pair.service.steal_seconds,
         } for pair in pairs],
     }
     if options.json_path:

@@ -60,6 +60,17 @@ def reading_at(samples: Sequence[tuple[float, float]], moment: float) -> float:
     return ordered[-1][1]
 
 
+def steal_seconds(proc_stat: str, ticks_per_second: float) -> float:
+    """CPU time the hypervisor gave to other guests, summed over cores, from the text of
+    /proc/stat (its `cpu` line's eighth value, in clock ticks). On a virtual machine this
+    time is lost to the wall clock of whichever arm runs, but never shows in its CPU time."""
+    for line in proc_stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            return int(fields[8]) / ticks_per_second if len(fields) > 8 else 0.0
+    raise ValueError("no aggregate cpu line in /proc/stat text")
+
+
 @dataclass(frozen=True)
 class ArmResult:
     """One arm of one trial."""
@@ -70,6 +81,8 @@ class ArmResult:
     cpu_seconds: float
     # The part of cpu_seconds spent outside vLLM's engine processes.
     outside_engine_cpu_seconds: float
+    # CPU time stolen by the hypervisor while the arm ran (0 on bare metal).
+    steal_seconds: float = 0.0
 
     @property
     def requests_per_second(self) -> float:
@@ -118,6 +131,10 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float]:
         # What the service adds outside the engine, as a share of all standalone CPU: the
         # overhead that wall-clock noise cannot hide or fake.
         "added_cpu_share": (service_outside - standalone_outside) / standalone_cpu,
+        # Time the hypervisor took from the machine during each arm: wall-clock noise that
+        # neither arm's CPU accounting sees.
+        "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
+        "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from jobsvc.measure import (
     median,
     percentile,
     reading_at,
+    steal_seconds,
     summarize_pairs,
 )
 from jobsvc.workloads import read_jsonl_jobs
@@ -62,6 +64,21 @@ def test_added_cpu_share_compares_the_cpu_each_arm_spends_outside_the_engine() -
     assert summary["standalone_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.005)
     assert summary["service_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.008)
     assert summary["added_cpu_share"] == pytest.approx(0.6 / 40.0)
+
+
+def test_steal_is_read_from_the_aggregate_cpu_line_and_summed_per_arm() -> None:
+    proc_stat = ("cpu  437606 34234 72958 351094 4700 0 1150 52218 0 0\n"
+                 "cpu0 218803 17117 36479 175547 2350 0 575 26109 0 0\n")
+    assert steal_seconds(proc_stat, 100) == pytest.approx(522.18)
+    assert steal_seconds("cpu  1 2 3 4\n", 100) == 0.0
+    with pytest.raises(ValueError):
+        steal_seconds("intr 1 2 3\n", 100)
+    pairs = [Pair(replace(_arm(100, 10.0, 20.0), steal_seconds=0.2),
+                  replace(_arm(100, 10.0, 20.0), steal_seconds=1.0), False),
+             Pair(_arm(100, 10.0, 20.0), replace(_arm(100, 10.0, 20.0), steal_seconds=0.6), True)]
+    summary = summarize_pairs(pairs)
+    assert summary["standalone_steal_seconds_per_job"] == pytest.approx(0.001)
+    assert summary["service_steal_seconds_per_job"] == pytest.approx(0.008)
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:

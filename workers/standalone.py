@@ -80,11 +80,16 @@ class StandaloneEngines:
             prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
             cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
 
-    def _tokenize(self, jobs: Sequence[tuple[str, str, dict[str, Any]]]) -> list[list[int]]:
+    def _tokenize(self, jobs: Sequence[tuple[str, str, dict[str, Any]]]
+                  ) -> list[tuple[int, ...]]:
+        """Prompts as tuples, as the service's workers hand them over: the garbage collector
+        walks every element of a live list at each collection, but stops tracking a tuple of
+        ints the first time it meets one."""
         distinct = list(dict.fromkeys(job[0] for job in jobs))
         documents = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
         questions = self._prompts.questions([job[1] for job in jobs])
-        return [documents[job[0]] + tokens for job, tokens in zip(jobs, questions, strict=True)]
+        return [(*documents[job[0]], *tokens)
+                for job, tokens in zip(jobs, questions, strict=True)]
 
 
 def _grouped(jobs: Sequence[tuple[str, str, dict[str, Any]]]
@@ -95,7 +100,7 @@ def _grouped(jobs: Sequence[tuple[str, str, dict[str, Any]]]
     return [job for group in by_document.values() for job in group]
 
 
-async def _burst(engine: Any, prompts: Sequence[tuple[list[int], dict[str, Any]]], mode: str,
+async def _burst(engine: Any, prompts: Sequence[tuple[tuple[int, ...], dict[str, Any]]], mode: str,
                  in_flight: int, tag: str) -> list[Any]:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -107,7 +112,7 @@ async def _burst(engine: Any, prompts: Sequence[tuple[list[int], dict[str, Any]]
             params[key] = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
     limit = asyncio.Semaphore(in_flight if mode == "staggered" else len(prompts) or 1)
 
-    async def one(index: int, prompt: list[int], sampling: dict[str, Any]) -> Any:
+    async def one(index: int, prompt: tuple[int, ...], sampling: dict[str, Any]) -> Any:
         request_params = params[json.dumps(sampling, sort_keys=True)]
         async with limit:
             final = None

@@ -30,7 +30,7 @@ class Settings:
     load_format: str = "dummy"
     # Weights and activations. Empty: float32 for the tiny model, else "auto" (vLLM's choice,
     # which serves float32 checkpoints as bfloat16 on every x86 CPU, also on those without
-    # native bfloat16 arithmetic, where the tiny model then runs 1.7x slower).
+    # native bfloat16 arithmetic, where the tiny model then runs 1.7-3.1x slower).
     dtype: str = ""
     # 0 means the model config's context length.
     max_model_len: int = 0

@@ -216,9 +216,9 @@ class _Bench:
             nonlocal sampling
             sampling_started = time.thread_time()
             total, outside_engine = cpu_seconds_used(before, self.service_cpu(servers))
+            steal = _steal_now() - steal_before
             sampling += time.thread_time() - sampling_started
-            samples.append((time.time(), (total - sampling, outside_engine - sampling,
-                                          _steal_now() - steal_before)))
+            samples.append((time.time(), (total - sampling, outside_engine - sampling, steal)))
 
         pending = ids
         while pending:

@@ -36,7 +36,7 @@ CONFIG = {
     "vocab_size": VOCAB_SIZE,
     "bos_token_id": 0,
     "eos_token_id": 1,
-    # float32: bfloat16 runs 1.7-3x slower on CPUs without native bfloat16. vLLM's "auto"
+    # float32: bfloat16 runs 1.7-3.1x slower on CPUs without native bfloat16. vLLM's "auto"
     # dtype would still serve it as bfloat16 on x86, so the settings ask for float32.
     "torch_dtype": "float32",
 }

@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 _MAX_DRAIN = 1024
 # How long a write waits for more results after its first. A burst's jobs finish a few per
-# engine step, 50-60 ms apart per worker; each write costs a transaction of four round trips
-# in the worker and in PostgreSQL whatever it holds, so gathering for a few steps' worth cuts
-# the writes (and their CPU, taken from the engine) severalfold. Results become visible that
-# much later; the engine's own finish times are what get recorded.
+# engine step, and each write costs a transaction of several round trips in the worker and in
+# PostgreSQL whatever it holds, so gathering a few steps' worth cuts the writes and their CPU,
+# which is taken from the engine. Results become visible that much later; the engine's own
+# finish times are what get recorded.
 _GATHER_SECONDS = 0.25
 _RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 

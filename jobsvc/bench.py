@@ -154,6 +154,7 @@ class _Totals:
     standalone_cached_tokens: int = 0
     shard_jobs: list[int] = field(default_factory=list)
     admission_ms: list[float] = field(default_factory=list)
+    recording_lag_ms: list[float] = field(default_factory=list)
     gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
     gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
     gc_cpu_max_ms: dict[str, float] = field(default_factory=dict)
@@ -228,7 +229,10 @@ class _Bench:
                 time.sleep(_POLL_SECONDS)
         sample()
         records = client.wait(ids)
-        finished = max(_timestamp(record.finished_at) for record in records)
+        # The arm ends when its last result was recorded (a failed job has no result; its
+        # engine finish stands in).
+        finished = max(_timestamp(record.recorded_at or record.finished_at)
+                       for record in records)
         cpu, outside_engine, steal = (
             reading_at([(moment, used[part]) for moment, used in samples], finished)
             for part in (0, 1, 2))
@@ -242,6 +246,9 @@ class _Bench:
                 totals.shard_jobs[r.shard] += 1
                 totals.admission_ms.append(
                     (_timestamp(r.started_at) - _timestamp(r.submitted_at)) * 1000)
+                if r.recorded_at is not None:
+                    totals.recording_lag_ms.append(
+                        (_timestamp(r.recorded_at) - _timestamp(r.finished_at)) * 1000)
             for reply in self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5):
                 for worker, reading in reply.items():
                     totals.gc_pause_max_ms[worker] = max(
@@ -375,6 +382,9 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "gc_cpu_max_ms": totals.gc_cpu_max_ms,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
+        "engine_finish_to_recorded_ms": {
+            "p50": percentile(totals.recording_lag_ms, 0.5),
+            "p99": percentile(totals.recording_lag_ms, 0.99)} if totals.recording_lag_ms else None,
         "service_jobs_not_succeeded": totals.failed,
         "pairs": [{
             "order": "service-first" if pair.service_first else "standalone-first",

@@ -85,7 +85,8 @@ class Job(Base):
 
 
 class Result(Base):
-    """A succeeded job's answer; the primary key makes a second delivery's write a no-op."""
+    """A succeeded job's answer; the primary key makes a second delivery's write a no-op.
+    `created_at` is when the worker recorded it, which is when a poller can first see it."""
 
     __tablename__ = "results"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
@@ -129,6 +130,9 @@ class JobRecord:
     submitted_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # When the answer was written: `finished_at` is the engine's end of the job, and the
+    # worker records results a little later, gathered into few transactions.
+    recorded_at: datetime | None = None
 
     @property
     def finished(self) -> bool:
@@ -280,10 +284,11 @@ class Store:
                 return
             succeeded = [o for o in outcomes if o.error is None]
             if succeeded:
+                recorded_at = utcnow()
                 connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
                     {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
                      "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
-                     "created_at": o.finished_at} for o in succeeded])
+                     "created_at": recorded_at} for o in succeeded])
             connection.execute(
                 update(job).where(job.c.id == bindparam("b_id")).values(
                     status=bindparam("b_status"), error=bindparam("b_error"),
@@ -315,7 +320,7 @@ class Store:
         query = (
             select(Job.id, Job.status, Job.error, Job.shard, Job.prompt_tokens, Job.submitted_at,
                    Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
-                   Result.cached_tokens)
+                   Result.cached_tokens, Result.created_at)
             .outerjoin(Result, Result.job_id == Job.id)
             .where(Job.id.in_(list(job_ids)))
         )
@@ -328,7 +333,7 @@ class Store:
             error=row.error, shard=row.shard, prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
             submitted_at=row.submitted_at, started_at=row.started_at,
-            finished_at=row.finished_at) for row in rows}
+            finished_at=row.finished_at, recorded_at=row.created_at) for row in rows}
 
     def statuses(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
         """Just the statuses, for polling without fetching answers."""

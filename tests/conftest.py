@@ -4,7 +4,8 @@ real worker (Celery + vLLM CPU engine + tiny model) started once, because it tak
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from jobsvc import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
+from jobsvc.store import Store, utcnow
 
 POSTGRES_ADMIN_URL = os.environ.get("JOBSVC_TEST_POSTGRES_ADMIN_URL",
                                     "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -78,3 +80,27 @@ def routing_settings(settings: Settings) -> Iterator[Settings]:
     routed = replace(settings, redis_url=ROUTING_REDIS_URL, shards=8)
     yield routed
     redis.Redis.from_url(ROUTING_REDIS_URL).flushdb()
+
+
+@pytest.fixture()
+def store(settings: Settings) -> Iterator[Store]:
+    repository = Store(settings.resolved_database_url)
+    yield repository
+    repository.dispose()
+
+
+@pytest.fixture()
+def queued_job(store: Store) -> Callable[[], str]:
+    """Records a queued job on a document of its own and returns its ID."""
+
+    def record() -> str:
+        job_id = uuid.uuid4().hex
+        document_key = uuid.uuid4().hex
+        store.record_submitted(
+            [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
+            [{"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
+              "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
+              "submitted_at": utcnow(), "redis_epoch": "e"}])
+        return job_id
+
+    return record

@@ -3,37 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-
-import pytest
+from collections.abc import Callable
+from datetime import timedelta
 
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.schema import JobStatus
-from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
 
 
-@pytest.fixture()
-def store(settings: Settings) -> Iterator[Store]:
-    repository = Store(settings.resolved_database_url)
-    yield repository
-    repository.dispose()
-
-
-def _record_job(store: Store) -> str:
-    job_id = uuid.uuid4().hex
-    document_key = uuid.uuid4().hex
-    store.record_submitted(
-        [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
-        [{"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
-          "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
-          "submitted_at": utcnow(), "redis_epoch": "e"}])
-    return job_id
-
-
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
-        store: Store) -> None:
-    job_id = _record_job(store)
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
     for _ in range(3):
         assert store.claim_for_running([job_id], "w", max_attempts=3) == {job_id}
     assert store.claim_for_running([job_id], "w", max_attempts=3) == set()
@@ -42,8 +22,9 @@ def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reaso
     assert "gave up after 3 deliveries" in (record.error or "")
 
 
-def test_a_second_outcome_for_a_finished_job_changes_nothing(store: Store) -> None:
-    job_id = _record_job(store)
+def test_a_second_outcome_for_a_finished_job_changes_nothing(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
     store.claim_for_running([job_id], "w", max_attempts=3)
     first = JobOutcome(job_id, "first answer", None, 3, 0, utcnow())
     store.record_outcomes([first])
@@ -54,8 +35,21 @@ def test_a_second_outcome_for_a_finished_job_changes_nothing(store: Store) -> No
         JobStatus.SUCCEEDED, "first answer", 3, None)
 
 
-def test_stale_jobs_are_those_of_another_redis_epoch(store: Store) -> None:
-    job_id = _record_job(store)
+def test_a_result_records_when_it_was_written_beside_when_the_engine_finished(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
+    store.claim_for_running([job_id], "w", max_attempts=3)
+    engine_finished = utcnow() - timedelta(minutes=1)
+    before = utcnow()
+    store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, engine_finished)])
+    record = store.get_many([job_id])[job_id]
+    assert record.finished_at == engine_finished
+    assert record.recorded_at is not None and before <= record.recorded_at <= utcnow()
+
+
+def test_stale_jobs_are_those_of_another_redis_epoch(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
     assert job_id not in {row["job_id"] for row in store.stale_jobs("e", 10_000)}
     assert job_id in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
     store.mark_requeued({job_id: 0}, "new-epoch")

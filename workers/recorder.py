@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,8 @@ _MAX_DRAIN = 1024
 # How long a write waits for more results after its first. A burst's jobs finish a few per
 # engine step, and each write costs a transaction of several round trips in the worker and in
 # PostgreSQL whatever it holds, so gathering a few steps' worth cuts the writes and their CPU,
-# which is taken from the engine. Results become visible that much later; the engine's own
-# finish times are what get recorded.
+# which is taken from the engine. Results become visible that much later, except the last of
+# a burst: once the engine has nothing left to finish, there is nothing to wait for.
 _GATHER_SECONDS = 0.25
 _RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 
@@ -69,8 +70,12 @@ class _Pending:
 
 class ResultRecorder:
     def __init__(self, store: Store, shard_state: ShardState, feedback: CacheFeedback,
-                 block_size: int) -> None:
+                 block_size: int, engine_idle: Callable[[], bool],
+                 gather_seconds: float = _GATHER_SECONDS) -> None:
         self._store = store
+        # True when no job is left in the engine: no result is coming that a wait could add.
+        self._engine_idle = engine_idle
+        self._gather_seconds = gather_seconds
         self._shard_state = shard_state
         self._feedback = feedback
         self._block_size = block_size
@@ -101,19 +106,29 @@ class ResultRecorder:
             item = self._queue.get()
             pending = _Pending()
             stopping = item is None
-            deadline = time.monotonic() + _GATHER_SECONDS
+            deadline = time.monotonic() + self._gather_seconds
             while item is not None:
                 self._add(pending, item)
                 if len(pending.outcomes) >= _MAX_DRAIN:
                     break
                 try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._next(deadline)
                 except queue.Empty:
                     break
                 stopping = stopping or item is None
             self._write(pending)
             if stopping:
                 return
+
+    def _next(self, deadline: float) -> tuple[str, Any] | None:
+        """The next queued item; if none is queued, wait for one until the deadline unless the
+        engine is idle. Raises queue.Empty when the gathering is over."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            if self._engine_idle():
+                raise
+        return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
     def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
         kind, payload = item

@@ -207,8 +207,8 @@ class _Bench:
         started = time.time()
         ids = client.submit_many(jobs)
         bytes_after = self.redis.info("stats")["total_net_input_bytes"]
-        # CPU is sampled at every poll and read off at the moment the last job finished, as
-        # the standalone arm's is read when its last request returns. The sampling's own CPU
+        # CPU is sampled at every poll and read off at the moment the last result was recorded,
+        # as the standalone arm's is read when its last request returns. The sampling's own CPU
         # is the bench's, not the service's: it is taken out.
         samples: list[tuple[float, tuple[float, float, float]]] = []
         sampling = 0.0

@@ -86,7 +86,7 @@ class Job(Base):
 
 class Result(Base):
     """A succeeded job's answer; the primary key makes a second delivery's write a no-op.
-    `created_at` is when the worker recorded it, which is when a poller can first see it."""
+    `created_at` is when the worker wrote it, in the transaction that makes it visible."""
 
     __tablename__ = "results"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)

@@ -1,5 +1,5 @@
-"""The result recorder on the real PostgreSQL and Redis: results that finish while the engine
-still runs are gathered into one write, and the last one is written without waiting."""
+"""The result recorder on the real PostgreSQL and Redis: results of a batch still generating
+are gathered into one write, and the result that completes a batch is written at once."""
 
 from __future__ import annotations
 
@@ -20,12 +20,10 @@ _GATHER_SECONDS = 60.0
 
 
 @contextmanager
-def _running_recorder(store: Store, settings: Settings,
-                      engine_idle: Callable[[], bool]) -> Iterator[ResultRecorder]:
+def _running_recorder(store: Store, settings: Settings) -> Iterator[ResultRecorder]:
     client = redis.Redis.from_url(settings.redis_url)
     recorder = ResultRecorder(store, ShardState(client, settings.shards), CacheFeedback(client),
-                              block_size=16, engine_idle=engine_idle,
-                              gather_seconds=_GATHER_SECONDS)
+                              block_size=16, gather_seconds=_GATHER_SECONDS)
     recorder.start()
     try:
         yield recorder
@@ -34,32 +32,45 @@ def _running_recorder(store: Store, settings: Settings,
         client.close()
 
 
-def _finish(recorder: ResultRecorder, job_id: str) -> Completion:
-    completion = Completion(1)
+def _finish(recorder: ResultRecorder, job_id: str, completion: Completion) -> None:
     recorder.job_finished(JobOutcome(job_id, "answer", None, 1, 0, utcnow()), shard=0,
                           prefill=10, check=CacheCheck(0, 16), completion=completion)
-    return completion
 
 
-def test_once_the_engine_is_idle_a_result_is_written_without_waiting_for_more(
-        store: Store, routing_settings: Settings, queued_job: Callable[[], str]) -> None:
-    job_id = queued_job()
-    store.claim_for_running([job_id], "w", max_attempts=3)
-    with _running_recorder(store, routing_settings, engine_idle=lambda: True) as recorder:
-        assert _finish(recorder, job_id).wait(timeout=20)
-        assert store.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED
-
-
-def test_while_the_engine_runs_results_are_gathered_into_one_write(
-        store: Store, routing_settings: Settings, queued_job: Callable[[], str]) -> None:
-    job_ids = [queued_job(), queued_job()]
+def _claimed(store: Store, queued_job: Callable[[], str], count: int) -> list[str]:
+    job_ids = [queued_job() for _ in range(count)]
     store.claim_for_running(job_ids, "w", max_attempts=3)
-    with _running_recorder(store, routing_settings, engine_idle=lambda: False) as recorder:
-        first = _finish(recorder, job_ids[0])
-        assert not first.wait(timeout=0.5)
-        second = _finish(recorder, job_ids[1])
+    return job_ids
+
+
+def test_the_result_that_completes_a_batch_is_written_without_waiting(
+        store: Store, routing_settings: Settings, queued_job: Callable[[], str]) -> None:
+    job_ids = _claimed(store, queued_job, 3)
+    batch, other_batch = Completion(2), Completion(5)
+    with _running_recorder(store, routing_settings) as recorder:
+        _finish(recorder, job_ids[0], other_batch)
+        _finish(recorder, job_ids[1], batch)
+        assert not batch.wait(timeout=0.5)
+        _finish(recorder, job_ids[2], batch)
+        assert batch.wait(timeout=20)
+        # The write took every result gathered so far, the other batch's too.
+        records = store.get_many(job_ids)
+        assert {record.status for record in records.values()} == {JobStatus.SUCCEEDED}
+        assert len({record.recorded_at for record in records.values()}) == 1
+        assert not other_batch.wait(timeout=0)
+
+
+def test_results_of_a_batch_still_generating_are_gathered_into_one_write(
+        store: Store, routing_settings: Settings, queued_job: Callable[[], str]) -> None:
+    job_ids = _claimed(store, queued_job, 2)
+    batch = Completion(3)
+    with _running_recorder(store, routing_settings) as recorder:
+        _finish(recorder, job_ids[0], batch)
+        _finish(recorder, job_ids[1], batch)
+        assert not batch.wait(timeout=0.5)
+        assert {record.status for record in store.get_many(job_ids).values()} == {
+            JobStatus.RUNNING}
     # Stopping writes what was gathered: both results, in one transaction.
-    assert first.wait(timeout=0) and second.wait(timeout=0)
     records = store.get_many(job_ids)
     assert {record.status for record in records.values()} == {JobStatus.SUCCEEDED}
     assert records[job_ids[0]].recorded_at == records[job_ids[1]].recorded_at

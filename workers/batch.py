@@ -108,12 +108,6 @@ class BatchRunner:
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
                 for job_id, doc in stored.items()}
 
-    @property
-    def idle(self) -> bool:
-        """True when none of this worker's jobs is in the engine."""
-        with self._lock:
-            return not self._running
-
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:
             running = job_id in self._running

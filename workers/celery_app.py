@@ -55,8 +55,7 @@ class WorkerRuntime:
         self.engine = EngineAdapter(engine_args(settings), on_engine_dead=self._engine_died)
         self._feedback = CacheFeedback(self._redis)
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
-                                        self._feedback, settings.block_size,
-                                        engine_idle=self._engine_idle)
+                                        self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self._stopped = threading.Event()
         self._background = [
@@ -88,9 +87,6 @@ class WorkerRuntime:
         self._recorder.stop()
         self.engine.shutdown()
         self._store.dispose()
-
-    def _engine_idle(self) -> bool:
-        return self.runner is None or self.runner.idle
 
     def _engine_died(self, error: BaseException) -> None:
         # Exit without acknowledging anything: the batches in flight return to the queue

@@ -1,6 +1,6 @@
-"""Records finished jobs off the engine's path: one thread drains finished results, writes
-them in one transaction per drain, returns the shards' load, tells the router how its cache
-estimates for them held up, and only then releases the batch that waits for them (its
+"""Records finished jobs off the engine's path: one thread gathers finished results, writes
+them in one transaction per gathering, returns the shards' load, tells the router how its
+cache estimates for them held up, and only then releases the batch that waits for them (its
 message is acknowledged after that, so nothing finished is lost)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +20,13 @@ from jobsvc.store import JobOutcome, Store
 log = logging.getLogger(__name__)
 
 _MAX_DRAIN = 1024
-# How long a write waits for more results after its first. A burst's jobs finish a few per
-# engine step, and each write costs a transaction of several round trips in the worker and in
-# PostgreSQL whatever it holds, so gathering a few steps' worth cuts the writes and their CPU,
-# which is taken from the engine. Results become visible that much later, except the last of
-# a burst: once the engine has nothing left to finish, there is nothing to wait for.
-_GATHER_SECONDS = 0.25
+# How long a write waits for more results after its first, unless a batch completes sooner.
+# A burst's jobs finish a few per engine step, and each write costs a transaction of several
+# round trips in the worker and in PostgreSQL whatever it holds, so gathering cuts the writes
+# and their CPU, which is taken from the engine. A batch's slot is held until its last result
+# is written, so the write that completes a batch goes at once; this bound only delays the
+# results of jobs whose batch is still generating.
+_GATHER_SECONDS = 1.0
 _RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 
 
@@ -39,6 +39,11 @@ class Completion:
         self._done = threading.Event()
         if jobs == 0:
             self._done.set()
+
+    def completed_by(self, jobs: int) -> bool:
+        """True if committing `jobs` more results would complete the batch."""
+        with self._lock:
+            return jobs >= self._left
 
     def committed(self, jobs: int) -> None:
         with self._lock:
@@ -70,11 +75,8 @@ class _Pending:
 
 class ResultRecorder:
     def __init__(self, store: Store, shard_state: ShardState, feedback: CacheFeedback,
-                 block_size: int, engine_idle: Callable[[], bool],
-                 gather_seconds: float = _GATHER_SECONDS) -> None:
+                 block_size: int, gather_seconds: float = _GATHER_SECONDS) -> None:
         self._store = store
-        # True when no job is left in the engine: no result is coming that a wait could add.
-        self._engine_idle = engine_idle
         self._gather_seconds = gather_seconds
         self._shard_state = shard_state
         self._feedback = feedback
@@ -108,11 +110,13 @@ class ResultRecorder:
             stopping = item is None
             deadline = time.monotonic() + self._gather_seconds
             while item is not None:
-                self._add(pending, item)
+                if self._add(pending, item):
+                    # A batch waits on this write: take only what is already queued.
+                    deadline = time.monotonic()
                 if len(pending.outcomes) >= _MAX_DRAIN:
                     break
                 try:
-                    item = self._next(deadline)
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 stopping = stopping or item is None
@@ -120,25 +124,16 @@ class ResultRecorder:
             if stopping:
                 return
 
-    def _next(self, deadline: float) -> tuple[str, Any] | None:
-        """The next queued item; if none is queued, wait for one until the deadline unless the
-        engine is idle. Raises queue.Empty when the gathering is over."""
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            if self._engine_idle():
-                raise
-        return self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-
-    def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
+    def _add(self, pending: _Pending, item: tuple[str, Any]) -> bool:
+        """Add an item to the gathering; True if it completes a batch's results."""
         kind, payload = item
         if kind == "batch":
             pending.batch_stats.append(payload)
-            return
+            return False
         if kind == "release":
             shard, tokens = payload
             pending.releases[shard] = pending.releases.get(shard, 0) + tokens
-            return
+            return False
         outcome, shard, prefill, check, completion = payload
         pending.outcomes.append(outcome)
         pending.releases[shard] = pending.releases.get(shard, 0) + prefill
@@ -149,6 +144,7 @@ class ResultRecorder:
                 max(floor, check.document_tokens // self._block_size))
         known, count = pending.completions.get(id(completion), (completion, 0))
         pending.completions[id(completion)] = (known, count + 1)
+        return completion.completed_by(count + 1)
 
     def _write(self, pending: _Pending) -> None:
         if pending.outcomes or pending.batch_stats:

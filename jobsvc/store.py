@@ -23,10 +23,12 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    any_,
     bindparam,
     create_engine,
     event,
     func,
+    literal,
     or_,
     select,
     update,
@@ -34,6 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
@@ -193,6 +196,13 @@ class Store:
     def _insert_ignoring_duplicates(self, table: Any) -> Any:
         return self._dialect.insert(table).on_conflict_do_nothing()
 
+    def _among(self, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
+        """`column IN values`; on PostgreSQL as one array parameter. An IN list binds each
+        value on its own, which doubled the client's CPU for a status poll of 256 jobs."""
+        if self._dialect is postgresql:
+            return column == any_(literal(list(values), postgresql.ARRAY(String)))
+        return column.in_(list(values))
+
     def record_submitted(self, documents: Sequence[dict[str, Any]],
                          jobs: Sequence[dict[str, Any]]) -> None:
         """Record new documents (once each) and jobs in one transaction."""
@@ -211,7 +221,7 @@ class Store:
         with self.engine.begin() as connection:
             claimed = connection.execute(
                 update(Job)
-                .where(Job.id.in_(job_ids), Job.status.in_(_ACTIVE))
+                .where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))
                 .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker,
                         attempts=Job.attempts + 1)
                 .returning(Job.id, Job.attempts)
@@ -219,7 +229,7 @@ class Store:
             exhausted = [job_id for job_id, attempts in claimed if attempts > max_attempts]
             if exhausted:
                 connection.execute(
-                    update(Job).where(Job.id.in_(exhausted)).values(
+                    update(Job).where(self._among(Job.id, exhausted)).values(
                         status=JobStatus.FAILED.value, finished_at=now,
                         error=f"gave up after {max_attempts} deliveries: the worker running "
                               "this job stopped each time before it finished"))
@@ -247,7 +257,7 @@ class Store:
         names, decides which document it is."""
         query = (select(Job.id, Job.document_key, Document.tokens_zst, Document.text_zst)
                  .join(Document, Document.key == Job.document_key)
-                 .where(Job.id.in_(list(job_ids))))
+                 .where(self._among(Job.id, job_ids)))
         with self.engine.connect() as connection:
             rows = connection.execute(query).all()
         documents: dict[str, list[int] | str] = {}
@@ -268,7 +278,7 @@ class Store:
     def forget_submitted(self, job_ids: Sequence[str]) -> None:
         """Remove jobs recorded by a submit whose enqueue then failed."""
         with self.engine.begin() as connection:
-            connection.execute(Job.__table__.delete().where(Job.id.in_(list(job_ids))))
+            connection.execute(Job.__table__.delete().where(self._among(Job.id, job_ids)))
 
     def record_outcomes(self, outcomes: Sequence[JobOutcome]) -> None:
         """Record finished jobs. Only jobs still queued or running take the outcome: a job
@@ -277,7 +287,8 @@ class Store:
         with self.engine.begin() as connection:
             active = set(connection.execute(
                 select(job.c.id)
-                .where(job.c.id.in_([o.job_id for o in outcomes]), job.c.status.in_(_ACTIVE))
+                .where(self._among(job.c.id, [o.job_id for o in outcomes]),
+                       job.c.status.in_(_ACTIVE))
                 .with_for_update()).scalars())
             outcomes = [o for o in outcomes if o.job_id in active]
             if not outcomes:
@@ -322,7 +333,7 @@ class Store:
                    Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
                    Result.cached_tokens, Result.created_at)
             .outerjoin(Result, Result.job_id == Job.id)
-            .where(Job.id.in_(list(job_ids)))
+            .where(self._among(Job.id, job_ids))
         )
         with self.engine.connect() as connection:
             rows = connection.execute(query).all()
@@ -339,14 +350,14 @@ class Store:
         """Just the statuses, for polling without fetching answers."""
         with self.engine.connect() as connection:
             rows = connection.execute(
-                select(Job.id, Job.status).where(Job.id.in_(list(job_ids)))).all()
+                select(Job.id, Job.status).where(self._among(Job.id, job_ids))).all()
         return {job_id: JobStatus(status) for job_id, status in rows}
 
     def count_unfinished(self, job_ids: Sequence[str]) -> int:
         with self.engine.connect() as connection:
             return connection.execute(
                 select(func.count()).select_from(Job)
-                .where(Job.id.in_(list(job_ids)), Job.status.in_(_ACTIVE))).scalar_one()
+                .where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))).scalar_one()
 
     def totals(self) -> dict[str, Any]:
         """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""

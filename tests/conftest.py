@@ -89,18 +89,18 @@ def store(settings: Settings) -> Iterator[Store]:
     repository.dispose()
 
 
+def record_queued_job(store: Store) -> str:
+    """Records a queued job on a document of its own and returns its ID."""
+    job_id = uuid.uuid4().hex
+    document_key = uuid.uuid4().hex
+    store.record_submitted(
+        [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
+        [{"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
+          "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
+          "submitted_at": utcnow(), "redis_epoch": "e"}])
+    return job_id
+
+
 @pytest.fixture()
 def queued_job(store: Store) -> Callable[[], str]:
-    """Records a queued job on a document of its own and returns its ID."""
-
-    def record() -> str:
-        job_id = uuid.uuid4().hex
-        document_key = uuid.uuid4().hex
-        store.record_submitted(
-            [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
-            [{"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
-              "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
-              "submitted_at": utcnow(), "redis_epoch": "e"}])
-        return job_id
-
-    return record
+    return lambda: record_queued_job(store)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 from jobsvc.compression import compress, pack_tokens
+from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
 from jobsvc.store import JobOutcome, Store, utcnow
+from tests.conftest import record_queued_job
 
 
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
@@ -71,3 +74,26 @@ def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) ->
     assert store.job_documents([*jobs.values(), uuid.uuid4().hex]) == {
         jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
+
+
+def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(
+        store: Store, tmp_path: Path) -> None:
+    # PostgreSQL takes the IDs as one array parameter, SQLite as an IN list.
+    embedded_url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    upgrade_to_head(embedded_url)
+    embedded = Store(embedded_url)
+    try:
+        for repository in (store, embedded):
+            ids = [record_queued_job(repository) for _ in range(3)]
+            assert repository.claim_for_running(ids[:2], "w", max_attempts=3) == set(ids[:2])
+            repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
+            assert repository.statuses([*ids, "unknown"]) == {
+                ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING,
+                ids[2]: JobStatus.QUEUED}
+            assert repository.count_unfinished(ids) == 2
+            assert set(repository.job_documents(ids)) == set(ids)
+            assert repository.get_many(ids)[ids[0]].answer == "answer"
+            repository.forget_submitted(ids[2:])
+            assert set(repository.statuses(ids)) == set(ids[:2])
+    finally:
+        embedded.dispose()

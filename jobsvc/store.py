@@ -162,13 +162,14 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _tokens_or_text(key: str, tokens_zst: bytes | None, text_zst: bytes) -> list[int] | str:
-    if tokens_zst is not None:
-        try:
-            return compression.unpack_tokens(tokens_zst)
-        except compression.TokenFrameError as error:
-            log.warning("document %s: %s; its text is used instead", key, error)
-    return compression.decompress(text_zst).decode()
+def _readable_tokens(key: str, tokens_zst: bytes | None) -> list[int] | None:
+    if tokens_zst is None:
+        return None
+    try:
+        return compression.unpack_tokens(tokens_zst)
+    except compression.TokenFrameError as error:
+        log.warning("document %s: %s; its text is used instead", key, error)
+        return None
 
 
 def make_engine(database_url: str) -> Engine:
@@ -254,18 +255,25 @@ class Store:
     def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str]:
         """Each job's document by job ID: its recorded tokens or, where there are none that
         read back, its text to tokenize. The job's own record, not the key a queue message
-        names, decides which document it is."""
-        query = (select(Job.id, Job.document_key, Document.tokens_zst, Document.text_zst)
-                 .join(Document, Document.key == Job.document_key)
-                 .where(self._among(Job.id, job_ids)))
+        names, decides which document it is. A batch asks several questions of each document,
+        so each distinct document is read once, and its text only where it is needed."""
         with self.engine.connect() as connection:
-            rows = connection.execute(query).all()
-        documents: dict[str, list[int] | str] = {}
-        for row in rows:
-            if row.document_key not in documents:
-                documents[row.document_key] = _tokens_or_text(row.document_key, row.tokens_zst,
-                                                              row.text_zst)
-        return {row.id: documents[row.document_key] for row in rows}
+            keys: dict[str, str] = dict(connection.execute(
+                select(Job.id, Job.document_key).where(self._among(Job.id, job_ids))).all())
+            documents: dict[str, list[int] | str] = {}
+            for key, tokens_zst in connection.execute(
+                    select(Document.key, Document.tokens_zst)
+                    .where(self._among(Document.key, list(set(keys.values()))))):
+                tokens = _readable_tokens(key, tokens_zst)
+                if tokens is not None:
+                    documents[key] = tokens
+            untokenized = list(set(keys.values()) - documents.keys())
+            if untokenized:
+                for key, text_zst in connection.execute(
+                        select(Document.key, Document.text_zst)
+                        .where(self._among(Document.key, untokenized))):
+                    documents[key] = compression.decompress(text_zst).decode()
+        return {job_id: documents[key] for job_id, key in keys.items()}
 
     def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:
         job = Job.__table__

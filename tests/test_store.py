@@ -6,6 +6,9 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
 
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.migrate import upgrade_to_head
@@ -74,6 +77,32 @@ def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) ->
     assert store.job_documents([*jobs.values(), uuid.uuid4().hex]) == {
         jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
+
+
+def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve(
+        store: Store) -> None:
+    documents = {uuid.uuid4().hex: [index, 1, 2] for index in range(2)}
+    jobs = {uuid.uuid4().hex: key for key in documents for _ in range(3)}
+    store.record_submitted(
+        [{"key": key, "text_zst": compress(b"text"), "tokens_zst": pack_tokens(tokens),
+          "tokens": 3, "created_at": utcnow()} for key, tokens in documents.items()],
+        [{"id": job_id, "document_key": key, "question": "q", "sampling": {}, "shard": 0,
+          "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
+          "submitted_at": utcnow(), "redis_epoch": "e"} for job_id, key in jobs.items()])
+    document_rows: list[int] = []
+
+    def count_document_rows(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        if "FROM documents" in statement:
+            assert "text_zst" not in statement
+            document_rows.append(cursor.rowcount)
+
+    event.listen(store.engine, "after_cursor_execute", count_document_rows)
+    try:
+        read = store.job_documents(list(jobs))
+    finally:
+        event.remove(store.engine, "after_cursor_execute", count_document_rows)
+    assert read == {job_id: documents[key] for job_id, key in jobs.items()}
+    assert document_rows == [2]
 
 
 def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(

@@ -59,6 +59,9 @@ ENGINE_PROCESS_PREFIX = "VLLM::"
 # still unfinished and samples the CPU counters; the arm's CPU is interpolated between
 # samples, so a longer interval costs no accuracy.
 _POLL_SECONDS = 1.0
+# Quiet time before each arm, so that neither starts while the other's trailing work (the
+# last acknowledgements and statistics, an engine's threads winding down) still runs.
+_SETTLE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -195,11 +198,18 @@ class _Bench:
                 for key, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
                 if key not in service}
 
+    def ask_workers(self, command: str, timeout: float) -> list[dict[str, Any]]:
+        """A remote-control command's replies. Without a limit a broadcast waits out its whole
+        timeout; with one reply per worker it returns as soon as every worker has answered."""
+        return self.celery.control.broadcast(command, reply=True, timeout=timeout,
+                                             limit=len(self.workers.processes))
+
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
                     record: bool = True) -> ArmResult:
-        self.celery.control.broadcast("reset_prefix_cache", reply=True, timeout=10)
+        self.ask_workers("reset_prefix_cache", timeout=10)
         reset_routing_state(self.redis, self.settings.shards)
-        self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5)
+        self.ask_workers("take_gc_pauses", timeout=5)
+        time.sleep(_SETTLE_SECONDS)
         servers = self.server_processes()
         before = self.service_cpu(servers)
         steal_before = _steal_now()
@@ -249,7 +259,7 @@ class _Bench:
                 if r.recorded_at is not None:
                     totals.recording_lag_ms.append(
                         (_timestamp(r.recorded_at) - _timestamp(r.finished_at)) * 1000)
-            for reply in self.celery.control.broadcast("take_gc_pauses", reply=True, timeout=5):
+            for reply in self.ask_workers("take_gc_pauses", timeout=5):
                 for worker, reading in reply.items():
                     totals.gc_pause_max_ms[worker] = max(
                         totals.gc_pause_max_ms.get(worker, 0.0), reading["gc_pause_max_ms"])
@@ -275,6 +285,7 @@ class _Bench:
             sampling = {key: value for key, value in job.items()
                         if key not in ("document", "question")}
             per_engine[shard].append((job["document"], job["question"], sampling))
+        time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
         run = engines.run(per_engine, mode, in_flight=self.settings.batch_size

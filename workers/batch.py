@@ -55,14 +55,8 @@ class BatchRunner:
             log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
         jobs = [job for job in message.jobs if job.job_id in runnable]
-        documents = self._documents(jobs)
-        requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
-                                  job.sampling) for job in jobs]
+        requests, checks = self._requests(jobs)
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
-        checks = {request.job_id: CacheCheck(
-            len(request.prompt_token_ids) - job.estimated_prefill,
-            len(documents[job.job_id]))
-            for job, request in zip(jobs, requests, strict=True)}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
         started = time.time()
@@ -95,6 +89,20 @@ class BatchRunner:
                             self.shard, what, type(error).__name__, delay)
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
+
+    def _requests(self, jobs: Sequence[QueuedJob]
+                  ) -> tuple[list[EngineRequest], dict[str, CacheCheck]]:
+        """The engine requests of these jobs, and what each one's cache hit is checked
+        against. The documents' token lists are dropped on return: kept for the whole batch,
+        they would be walked element by element at every collection that met them."""
+        documents = self._documents(jobs)
+        requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
+                                  job.sampling) for job in jobs]
+        checks = {request.job_id: CacheCheck(
+            len(request.prompt_token_ids) - job.estimated_prefill,
+            len(documents[job.job_id]))
+            for job, request in zip(jobs, requests, strict=True)}
+        return requests, checks
 
     def _documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
         """Each job's document tokens, by job ID, from the store (messages do not carry

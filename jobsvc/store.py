@@ -260,14 +260,15 @@ class Store:
         with self.engine.connect() as connection:
             keys: dict[str, str] = dict(connection.execute(
                 select(Job.id, Job.document_key).where(self._among(Job.id, job_ids))).all())
+            distinct = set(keys.values())
             documents: dict[str, list[int] | str] = {}
             for key, tokens_zst in connection.execute(
                     select(Document.key, Document.tokens_zst)
-                    .where(self._among(Document.key, list(set(keys.values()))))):
+                    .where(self._among(Document.key, list(distinct)))):
                 tokens = _readable_tokens(key, tokens_zst)
                 if tokens is not None:
                     documents[key] = tokens
-            untokenized = list(set(keys.values()) - documents.keys())
+            untokenized = list(distinct - documents.keys())
             if untokenized:
                 for key, text_zst in connection.execute(
                         select(Document.key, Document.text_zst)

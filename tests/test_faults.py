@@ -105,17 +105,35 @@ def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
     return row
 
 
-def test_a_batch_running_longer_than_the_visibility_timeout_is_delivered_once(
+def _engine_core(harness: Harness) -> psutil.Process:
+    """The first worker's vLLM engine-core process."""
+    worker = harness.workers.processes[0]
+    return next(child for child in psutil.Process(worker.pid).children(recursive=True)
+                if "EngineCore" in child.name())
+
+
+def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
         harness: Harness) -> None:
     client = harness.client
     job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",
                            max_tokens=3500, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while client.get(job_id).status is JobStatus.QUEUED:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    # Freezing the engine makes the batch outlast the visibility timeout (plus kombu's 1 s
+    # restore scan) however fast this host generates.
+    stall = 1.5 * harness.settings.visibility_timeout + 1
+    engine_core = _engine_core(harness)
+    engine_core.suspend()
+    try:
+        time.sleep(stall)
+    finally:
+        engine_core.resume()
     (record,) = client.wait([job_id], timeout=FINISH_TIMEOUT)
     assert record.status is JobStatus.SUCCEEDED
-    # It ran well past the visibility timeout (plus kombu's 1 s restore scan), yet no
-    # second delivery claimed it: the worker kept renewing its lease.
-    assert (record.finished_at - record.started_at).total_seconds() > (
-        1.5 * harness.settings.visibility_timeout)
+    assert (record.finished_at - record.started_at).total_seconds() > stall
+    # No second delivery claimed it: the worker kept renewing its lease.
     store = Store(harness.settings.resolved_database_url)
     with store.engine.connect() as connection:
         attempts = connection.execute(select(Job.attempts).where(Job.id == job_id)).scalar_one()
@@ -227,9 +245,7 @@ def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
     ids = _burst(client, 64, seed=106, max_tokens=48)
     _wait_until_finished(client, ids, 2)
     worker = harness.workers.processes[0]
-    engine_core = next(child for child in psutil.Process(worker.pid).children(recursive=True)
-                       if "EngineCore" in child.name())
-    os.kill(engine_core.pid, signal.SIGKILL)
+    os.kill(_engine_core(harness).pid, signal.SIGKILL)
     assert worker.wait(timeout=60) != 0
     for leftover in psutil.Process().children(recursive=True):
         if "VLLM" in leftover.name():

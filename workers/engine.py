@@ -83,24 +83,25 @@ class EngineAdapter:
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._engine = self._loop.run_until_complete(self._create())
+            self._loop.run_until_complete(self._create())
         except BaseException as error:
             self._started.set_exception(error)
             return
         self._started.set_result(None)
         self._loop.run_forever()
 
-    async def _create(self) -> Any:
+    async def _create(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
-        self._engine = engine
+        # No local name for the engine: this frame stays referenced after it returns, and a
+        # local would keep the engine alive past `shutdown`, to an interpreter exit where its
+        # finaliser fails on modules already unloaded.
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
         # One tiny request walks every code path once, so the modules and caches it loads
         # lazily exist before the owner freezes the garbage collector's view of start-up.
         await self._run_batch([EngineRequest("warm-up", (0, 1, 2), {"max_tokens": 1})],
                               lambda _result: None)
-        return engine
 
     def submit(self, requests: Sequence[EngineRequest],
                on_result: Callable[[EngineResult], None]) -> concurrent.futures.Future[None]:
@@ -130,11 +131,13 @@ class EngineAdapter:
 
     def shutdown(self) -> None:
         """Stop the loop, then the engine and its processes."""
+        started = time.monotonic()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        log.info("engine stopped in %.1f s", time.monotonic() - started)
 
     async def _run_batch(self, requests: Sequence[EngineRequest],
                          on_result: Callable[[EngineResult], None]) -> None:

@@ -1,13 +1,17 @@
 """Records finished jobs off the engine's path: one thread gathers finished results, writes
 them in one transaction per gathering, returns the shards' load, tells the router how its
 cache estimates for them held up, and only then releases the batch that waits for them (its
-message is acknowledged after that, so nothing finished is lost)."""
+message is acknowledged after that, so nothing finished is lost).
+
+The thread wakes twice per gathering (its first result, and the result that completes a batch
+or the end of the gathering window), not once per job: on a host whose cores the engine keeps
+busy, every wakeup outside the engine preempts one of the engine's threads, and a step waits
+for all of them."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +23,8 @@ from jobsvc.store import JobOutcome, Store
 
 log = logging.getLogger(__name__)
 
-_MAX_DRAIN = 1024
+# At most this many items (results, batch statistics, load returns) go into one write.
+_MAX_GATHERED = 1024
 # How long a write waits for more results after its first, unless a batch completes sooner.
 # A burst's jobs finish a few per engine step, and each write costs a transaction of several
 # round trips in the worker and in PostgreSQL whatever it holds, so gathering cuts the writes
@@ -31,19 +36,21 @@ _RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 
 
 class Completion:
-    """Counts down as a batch's results are committed."""
+    """Counts down as a batch's jobs finish, and as their results are committed."""
 
     def __init__(self, jobs: int) -> None:
+        self._unfinished = jobs
         self._left = jobs
         self._lock = threading.Lock()
         self._done = threading.Event()
         if jobs == 0:
             self._done.set()
 
-    def completed_by(self, jobs: int) -> bool:
-        """True if committing `jobs` more results would complete the batch."""
+    def finished(self) -> bool:
+        """Count one job finished; True if it was the batch's last."""
         with self._lock:
-            return jobs >= self._left
+            self._unfinished -= 1
+            return self._unfinished == 0
 
     def committed(self, jobs: int) -> None:
         with self._lock:
@@ -81,59 +88,69 @@ class ResultRecorder:
         self._shard_state = shard_state
         self._feedback = feedback
         self._block_size = block_size
-        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._gathered: list[tuple[str, Any]] = []
+        self._batch_completed = False
+        self._stopping = False
+        self._wake = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Write everything queued so far, then stop."""
-        self._queue.put(None)
+        """Write everything gathered so far, then stop."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
         self._thread.join()
 
     def job_finished(self, outcome: JobOutcome, shard: int, prefill: int, check: CacheCheck,
                      completion: Completion) -> None:
-        self._queue.put(("job", (outcome, shard, prefill, check, completion)))
+        self._gather(("job", (outcome, shard, prefill, check, completion)),
+                     completes_batch=completion.finished())
 
     def batch_finished(self, row: dict[str, Any]) -> None:
-        self._queue.put(("batch", row))
+        self._gather(("batch", row))
 
     def release_load(self, shard: int, tokens: int) -> None:
         """Return the load of jobs that will not run (cancelled while queued)."""
-        self._queue.put(("release", (shard, tokens)))
+        self._gather(("release", (shard, tokens)))
+
+    def _gather(self, item: tuple[str, Any], completes_batch: bool = False) -> None:
+        with self._wake:
+            self._gathered.append(item)
+            self._batch_completed = self._batch_completed or completes_batch
+            # The recorder sleeps until a gathering starts, then until it must write.
+            if (len(self._gathered) == 1 or completes_batch
+                    or len(self._gathered) >= _MAX_GATHERED):
+                self._wake.notify()
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            with self._wake:
+                self._wake.wait_for(lambda: self._gathered or self._stopping)
+                # A batch waits on the write that completes it: that one goes at once.
+                self._wake.wait_for(lambda: self._batch_completed or self._stopping
+                                    or len(self._gathered) >= _MAX_GATHERED,
+                                    timeout=self._gather_seconds)
+                items, self._gathered, self._batch_completed = self._gathered, [], False
+                stopping = self._stopping
             pending = _Pending()
-            stopping = item is None
-            deadline = time.monotonic() + self._gather_seconds
-            while item is not None:
-                if self._add(pending, item):
-                    # A batch waits on this write: take only what is already queued.
-                    deadline = time.monotonic()
-                if len(pending.outcomes) >= _MAX_DRAIN:
-                    break
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                stopping = stopping or item is None
+            for item in items:
+                self._add(pending, item)
             self._write(pending)
             if stopping:
                 return
 
-    def _add(self, pending: _Pending, item: tuple[str, Any]) -> bool:
-        """Add an item to the gathering; True if it completes a batch's results."""
+    def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "batch":
             pending.batch_stats.append(payload)
-            return False
+            return
         if kind == "release":
             shard, tokens = payload
             pending.releases[shard] = pending.releases.get(shard, 0) + tokens
-            return False
+            return
         outcome, shard, prefill, check, completion = payload
         pending.outcomes.append(outcome)
         pending.releases[shard] = pending.releases.get(shard, 0) + prefill
@@ -144,7 +161,6 @@ class ResultRecorder:
                 max(floor, check.document_tokens // self._block_size))
         known, count = pending.completions.get(id(completion), (completion, 0))
         pending.completions[id(completion)] = (known, count + 1)
-        return completion.completed_by(count + 1)
 
     def _write(self, pending: _Pending) -> None:
         if pending.outcomes or pending.batch_stats:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import redis
@@ -44,6 +44,9 @@ from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
+
+if TYPE_CHECKING:
+    from workers.standalone import StandaloneEngines
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,10 @@ class BenchOptions:
     json_path: Path | None = None
     plot_path: Path | None = None
     log_dir: Path = Path("bench-logs")
+    # Start both arms' engines afresh before every pair. Two engines started alike can differ
+    # in speed by several percent for their whole life; fresh ones turn that lasting bias
+    # between the arms into noise between pairs, which the median over pairs can see through.
+    fresh_engines: bool = False
 
 
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
@@ -174,6 +181,7 @@ class _Bench:
         devices = shard_devices(settings)
         self.workers = LocalWorkers(settings, options.log_dir, devices=list(devices))
         self.devices = devices
+        self.engines: StandaloneEngines | None = None
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.celery = make_celery(settings)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
@@ -197,6 +205,19 @@ class _Bench:
         return {key: seconds
                 for key, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
                 if key not in service}
+
+    def start_engines(self) -> None:
+        """Start the service's workers and the standalone arm's engines."""
+        from workers.standalone import StandaloneEngines
+
+        self.workers.start()
+        self.engines = StandaloneEngines(self.settings, self.devices)
+
+    def stop_engines(self) -> None:
+        if self.engines is not None:
+            self.engines.shutdown()
+            self.engines = None
+        self.workers.stop()
 
     def ask_workers(self, command: str, timeout: float) -> list[dict[str, Any]]:
         """A remote-control command's replies. Without a limit a broadcast waits out its whole
@@ -277,7 +298,7 @@ class _Bench:
                          sum(r.completion_tokens or 0 for r in records), cpu, outside_engine,
                          steal)
 
-    def run_standalone(self, engines: Any, jobs: list[dict[str, Any]], shape: _Shape,
+    def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
@@ -288,7 +309,9 @@ class _Bench:
         time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
-        run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
+        if self.engines is None:
+            raise RuntimeError("the standalone engines are not running")
+        run = self.engines.run(per_engine, mode, in_flight=self.settings.batch_size
                           * self.settings.worker_concurrency)
         steal = _steal_now() - steal_before
         cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())
@@ -311,21 +334,18 @@ def run_bench(settings: Settings, options: BenchOptions,
     settings.validate()
     upgrade_to_head(settings.resolved_database_url)
     bench = _Bench(settings, options, progress)
-    from workers.standalone import ADMISSION_MODES, StandaloneEngines
+    from workers.standalone import ADMISSION_MODES
 
     progress(f"starting {settings.shards} service worker(s) and standalone engine(s)")
-    bench.workers.start()
-    engines = StandaloneEngines(settings, bench.devices)
     try:
+        bench.start_engines()
         with Client(settings=bench.workers.settings) as client:
-            return _run_pairs(bench, client, engines, ADMISSION_MODES)
+            return _run_pairs(bench, client, ADMISSION_MODES)
     finally:
-        engines.shutdown()
-        bench.workers.stop()
+        bench.stop_engines()
 
 
-def _run_pairs(bench: _Bench, client: Client, engines: Any,
-               modes: Sequence[str]) -> dict[str, Any]:
+def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str, Any]:
     options, progress = bench.options, bench.progress
     calibration_jobs = bench_jobs(options, trial=0)
     calibration_shape = _shape(calibration_jobs, bench.prompts, bench.router)
@@ -337,7 +357,7 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
     # picked interleaved admission, whose engine schedule is the worse one on reused documents.
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     for mode in [*modes, *reversed(modes)]:
-        rates[mode].append(bench.run_standalone(engines, calibration_jobs, calibration_shape,
+        rates[mode].append(bench.run_standalone(calibration_jobs, calibration_shape,
                                                 mode, record=False).requests_per_second)
     calibration = {mode: sum(rate) / len(rate) for mode, rate in rates.items()}
     mode = max(calibration, key=calibration.__getitem__)
@@ -351,12 +371,19 @@ def _run_pairs(bench: _Bench, client: Client, engines: Any,
         shape = _shape(jobs, bench.prompts, bench.router)
         ideal_rates.append(shape.ideal_hit_rate)
         bytes_raw.append(shape.bytes_raw)
+        if options.fresh_engines:
+            progress(f"pair {trial}/{options.trials}: starting every engine afresh")
+            bench.stop_engines()
+            bench.start_engines()
+            # A fresh engine's first burst is its first use of most of its memory.
+            bench.run_service(client, calibration_jobs, calibration_shape, record=False)
+            bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
         service_first = trial % 2 == 0
         if service_first:
             service = bench.run_service(client, jobs, shape)
-            standalone = bench.run_standalone(engines, jobs, shape, mode)
+            standalone = bench.run_standalone(jobs, shape, mode)
         else:
-            standalone = bench.run_standalone(engines, jobs, shape, mode)
+            standalone = bench.run_standalone(jobs, shape, mode)
             service = bench.run_service(client, jobs, shape)
         pair = Pair(standalone, service, service_first)
         pairs.append(pair)
@@ -382,6 +409,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "trials": len(pairs),
         "jobs_per_trial": pairs[0].service.jobs,
         "output_tokens": options.output_tokens,
+        "fresh_engines_per_pair": options.fresh_engines,
         "standalone_admission": mode,
         "admission_calibration_rps": calibration,
         **summarize_pairs(pairs),

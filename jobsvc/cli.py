@@ -47,7 +47,8 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
     options = BenchOptions(workload=args.workload, shards=args.shards, policy=args.policy,
                            trials=args.trials,
                            words=args.words, output_tokens=args.output_tokens,
-                           json_path=args.json, plot_path=args.plot)
+                           json_path=args.json, plot_path=args.plot,
+                           fresh_engines=args.fresh_engines)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-tokens", type=int, default=16)
     bench.add_argument("--json", type=Path, help="write the full result here")
     bench.add_argument("--plot", type=Path, help="write a PNG of the pairs here")
+    bench.add_argument("--fresh-engines", action="store_true",
+                       help="start every engine afresh before each pair (engines started "
+                            "alike can differ in speed for their whole life)")
     bench.set_defaults(run=_bench)
     simulate = commands.add_parser(
         "simulate", help="replay a workload over simulated shards under one routing policy")

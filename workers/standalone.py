@@ -54,6 +54,9 @@ class StandaloneEngines:
     def shutdown(self) -> None:
         for adapter in self._engines:
             adapter.shutdown()
+        # Let the collector free what start-up froze, so engines started later in this
+        # process do not pile up behind it.
+        gc.unfreeze()
 
     def run(self, jobs_by_engine: Sequence[Sequence[tuple[str, str, dict[str, Any]]]],
             mode: str, in_flight: int) -> StandaloneRun:

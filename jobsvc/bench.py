@@ -206,12 +206,17 @@ class _Bench:
                 for key, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
                 if key not in service}
 
-    def start_engines(self) -> None:
-        """Start the service's workers and the standalone arm's engines."""
+    def start_engines(self, standalone_first: bool = False) -> None:
+        """Start the service's workers and the standalone arm's engines, in either order (of
+        two standalone engines started one after the other, the second ran faster in two of
+        three runs, by 8-12 %, so a fixed order could favour one arm)."""
         from workers.standalone import StandaloneEngines
 
-        self.workers.start()
+        if not standalone_first:
+            self.workers.start()
         self.engines = StandaloneEngines(self.settings, self.devices)
+        if standalone_first:
+            self.workers.start()
 
     def stop_engines(self) -> None:
         if self.engines is not None:
@@ -374,7 +379,8 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
         if options.fresh_engines:
             progress(f"pair {trial}/{options.trials}: starting every engine afresh")
             bench.stop_engines()
-            bench.start_engines()
+            # The arm that runs first starts first: both orders come up as often.
+            bench.start_engines(standalone_first=trial % 2 == 1)
             # A fresh engine's first burst is its first use of most of its memory.
             bench.run_service(client, calibration_jobs, calibration_shape, record=False)
             bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)

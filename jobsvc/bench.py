@@ -305,6 +305,9 @@ class _Bench:
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
+        engines = self.engines
+        if engines is None:
+            raise RuntimeError("the standalone engines are not running")
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
         for job, shard in zip(jobs, shape.shard_of_job, strict=True):
@@ -314,9 +317,7 @@ class _Bench:
         time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
-        if self.engines is None:
-            raise RuntimeError("the standalone engines are not running")
-        run = self.engines.run(per_engine, mode, in_flight=self.settings.batch_size
+        run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
                           * self.settings.worker_concurrency)
         steal = _steal_now() - steal_before
         cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())

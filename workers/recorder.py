@@ -40,7 +40,7 @@ class Completion:
 
     def __init__(self, jobs: int) -> None:
         self._unfinished = jobs
-        self._left = jobs
+        self._uncommitted = jobs
         self._lock = threading.Lock()
         self._done = threading.Event()
         if jobs == 0:
@@ -54,8 +54,8 @@ class Completion:
 
     def committed(self, jobs: int) -> None:
         with self._lock:
-            self._left -= jobs
-            if self._left <= 0:
+            self._uncommitted -= jobs
+            if self._uncommitted <= 0:
                 self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:

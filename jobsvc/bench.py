@@ -46,7 +46,7 @@ from jobsvc.transport import make_celery
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
 if TYPE_CHECKING:
-    from workers.standalone import StandaloneEngines
+    from workers.standalone import StandaloneEngines, StandaloneRun
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ _POLL_SECONDS = 1.0
 # Quiet time before each arm, so that neither starts while the other's trailing work (the
 # last acknowledgements and statistics, an engine's threads winding down) still runs.
 _SETTLE_SECONDS = 1.0
+# How long a standalone burst on the workers' engines may take before the bench gives up.
+_WORKER_BURST_TIMEOUT_SECONDS = 1800.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class BenchOptions:
     # in speed by several percent for their whole life; fresh ones turn that lasting bias
     # between the arms into noise between pairs, which the median over pairs can see through.
     fresh_engines: bool = False
+    # Run the standalone arm on the service workers' own engines, driven directly inside each
+    # worker process with the queue and database left out. Both arms of a pair then meet the
+    # same engine, and a difference in speed between engine instances cannot enter the ratio.
+    standalone_on_workers: bool = False
 
 
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
@@ -201,10 +207,11 @@ class _Bench:
                 **_tree_cpu(servers, descendants=False)}
 
     def standalone_cpu(self) -> dict[ProcessKey, float]:
+        everything = _tree_cpu([psutil.Process()], descendants=True)
+        if self.options.standalone_on_workers:
+            return everything
         service = set(_tree_cpu(self.service_roots(), descendants=True))
-        return {key: seconds
-                for key, seconds in _tree_cpu([psutil.Process()], descendants=True).items()
-                if key not in service}
+        return {key: seconds for key, seconds in everything.items() if key not in service}
 
     def start_engines(self, standalone_first: bool = False) -> None:
         """Start the service's workers and the standalone arm's engines, in either order (of
@@ -212,6 +219,9 @@ class _Bench:
         three runs, by 8-12 %, so a fixed order could favour one arm)."""
         from workers.standalone import StandaloneEngines
 
+        if self.options.standalone_on_workers:
+            self.workers.start()
+            return
         if not standalone_first:
             self.workers.start()
         self.engines = StandaloneEngines(self.settings, self.devices)
@@ -224,11 +234,34 @@ class _Bench:
             self.engines = None
         self.workers.stop()
 
-    def ask_workers(self, command: str, timeout: float) -> list[dict[str, Any]]:
+    def ask_workers(self, command: str, timeout: float,
+                    arguments: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """A remote-control command's replies. Without a limit a broadcast waits out its whole
         timeout; with one reply per worker it returns as soon as every worker has answered."""
-        return self.celery.control.broadcast(command, reply=True, timeout=timeout,
-                                             limit=len(self.workers.processes))
+        return self.celery.control.broadcast(command, arguments=arguments, reply=True,
+                                             timeout=timeout, limit=len(self.workers.processes))
+
+    def run_on_workers(self, jobs_by_shard: list[list[tuple[str, str, dict[str, Any]]]],
+                       mode: str, in_flight: int) -> StandaloneRun:
+        """One standalone burst on the workers' own engines, every shard at once."""
+        from workers.standalone import StandaloneRun
+
+        replies = [reading for reply in self.ask_workers(
+                       "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
+                       arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
+                                  "in_flight": in_flight})
+                   for reading in reply.values()]
+        if len(replies) != len(self.workers.processes):
+            raise RuntimeError(f"{len(replies)} of {len(self.workers.processes)} workers "
+                               "answered the standalone burst")
+        failed = [reply["error"] for reply in replies if "error" in reply]
+        if failed:
+            raise RuntimeError(f"standalone burst failed on a worker: {failed[0]}")
+        runs = [StandaloneRun(**reply) for reply in replies]
+        return StandaloneRun(
+            started=min(run.started for run in runs), finished=max(run.finished for run in runs),
+            **{part: sum(getattr(run, part) for run in runs)
+               for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
                     record: bool = True) -> ArmResult:
@@ -306,7 +339,7 @@ class _Bench:
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
         engines = self.engines
-        if engines is None:
+        if engines is None and not self.options.standalone_on_workers:
             raise RuntimeError("the standalone engines are not running")
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
@@ -317,8 +350,9 @@ class _Bench:
         time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
-        run = engines.run(per_engine, mode, in_flight=self.settings.batch_size
-                          * self.settings.worker_concurrency)
+        in_flight = self.settings.batch_size * self.settings.worker_concurrency
+        run = (engines.run(per_engine, mode, in_flight) if engines is not None
+               else self.run_on_workers(per_engine, mode, in_flight))
         steal = _steal_now() - steal_before
         cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())
         if record:
@@ -417,6 +451,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "jobs_per_trial": pairs[0].service.jobs,
         "output_tokens": options.output_tokens,
         "fresh_engines_per_pair": options.fresh_engines,
+        "standalone_on_workers": options.standalone_on_workers,
         "standalone_admission": mode,
         "admission_calibration_rps": calibration,
         **summarize_pairs(pairs),

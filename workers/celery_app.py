@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -57,6 +58,7 @@ class WorkerRuntime:
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
+        self.prompts = PromptBuilder(settings.model, settings.max_model_len)
         self._stopped = threading.Event()
         self._background = [
             threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
@@ -73,9 +75,7 @@ class WorkerRuntime:
         self.leases.start()
         self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
                                   store=self._store, engine=self.engine,
-                                  recorder=self._recorder,
-                                  prompts=PromptBuilder(self.settings.model,
-                                                        self.settings.max_model_len),
+                                  recorder=self._recorder, prompts=self.prompts,
                                   max_attempts=self.settings.max_attempts)
         for thread in self._background:
             thread.start()
@@ -183,6 +183,18 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     @control_command()
     def take_gc_pauses(_state: Any) -> dict[str, float]:
         return runtime.gc_pauses.take()
+
+    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("in_flight", int)])
+    def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]], mode: str,
+                             in_flight: int) -> dict[str, float]:
+        """Drive this worker's engine directly with this shard's share of a burst, bypassing
+        queue and database: the benchmark's standalone arm on the very engine the service arm
+        uses. The consumer waits meanwhile, so no batch runs beside the burst."""
+        from workers.standalone import run_burst
+
+        jobs = [(document, question, sampling)
+                for document, question, sampling in jobs_by_shard[shard]]
+        return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, in_flight))
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

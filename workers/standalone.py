@@ -1,14 +1,16 @@
 """The benchmark's baseline: vLLM driven directly, tuned as a careful user would tune it —
-prefix caching on, gc.freeze() after start-up, the same engines and document-to-engine
-assignment as the service, each distinct document tokenized once with the fast tokenizer
-(inside the timed region), each document's questions handed over together, and token
-prompts admitted in one of two styles (all at once, or staggered with a bound on requests in
-flight)."""
+prefix caching on, gc.freeze() after start-up, the same document-to-engine assignment as the
+service, each distinct document tokenized once with the fast tokenizer (inside the timed
+region), each document's questions handed over together, and token prompts admitted in one of
+two styles (all at once, or staggered with a bound on requests in flight). The engines are
+either this process's own or, through a worker's remote-control command, the service
+workers' resident ones."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -27,12 +29,22 @@ from workers.engine import EngineAdapter, engine_args
 ADMISSION_MODES = ("all", "staggered")
 
 
+Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings)
+
+
 @dataclass(frozen=True)
 class StandaloneRun:
-    seconds: float
+    # Wall-clock moments (time.time()), so that bursts run by several processes at once can be
+    # joined into one: from the earliest start to the latest finish.
+    started: float
+    finished: float
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
 
 
 class StandaloneEngines:
@@ -49,7 +61,6 @@ class StandaloneEngines:
         self._prompts.questions(["warm up the tokenizer"])
         gc.collect()
         gc.freeze()
-        self._runs = 0
 
     def shutdown(self) -> None:
         for adapter in self._engines:
@@ -58,47 +69,55 @@ class StandaloneEngines:
         # process do not pile up behind it.
         gc.unfreeze()
 
-    def run(self, jobs_by_engine: Sequence[Sequence[tuple[str, str, dict[str, Any]]]],
-            mode: str, in_flight: int) -> StandaloneRun:
-        """Run one burst of (document, question, sampling) jobs on every engine at once, each
-        engine from a cold prefix cache."""
-        if mode not in ADMISSION_MODES:
-            raise ValueError(f"admission mode must be one of {ADMISSION_MODES}")
-        jobs_by_engine = [_grouped(jobs) for jobs in jobs_by_engine]
-        for adapter in self._engines:
-            adapter.reset_prefix_cache()
-        self._runs += 1
-        started = time.perf_counter()
-        prompts_by_engine = [list(zip(self._tokenize(jobs), (job[2] for job in jobs),
-                                      strict=True)) for jobs in jobs_by_engine]
-        futures = [adapter.schedule(
-                       lambda engine, prompts=prompts, tag=f"sa{self._runs}-{index}": _burst(
-                           engine, prompts, mode, in_flight, tag))
-                   for index, (adapter, prompts) in enumerate(
-                       zip(self._engines, prompts_by_engine, strict=True))]
-        outputs = [output for future in futures for output in future.result()]
-        seconds = time.perf_counter() - started
-        return StandaloneRun(
-            seconds=seconds,
-            output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
-            prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
-            cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
-
-    def _tokenize(self, jobs: Sequence[tuple[str, str, dict[str, Any]]]
-                  ) -> list[tuple[int, ...]]:
-        """Prompts as tuples, as the service's workers hand them over: the garbage collector
-        walks every element of a live list at each collection, but stops tracking a tuple of
-        ints the first time it meets one."""
-        distinct = list(dict.fromkeys(job[0] for job in jobs))
-        documents = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
-        questions = self._prompts.questions([job[1] for job in jobs])
-        return [(*documents[job[0]], *tokens)
-                for job, tokens in zip(jobs, questions, strict=True)]
+    def run(self, jobs_by_engine: Sequence[Sequence[Job]], mode: str,
+            in_flight: int) -> StandaloneRun:
+        return run_burst(self._engines, self._prompts, jobs_by_engine, mode, in_flight)
 
 
-def _grouped(jobs: Sequence[tuple[str, str, dict[str, Any]]]
-             ) -> list[tuple[str, str, dict[str, Any]]]:
-    by_document: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+_bursts = itertools.count(1)
+
+
+def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
+              jobs_by_engine: Sequence[Sequence[Job]], mode: str,
+              in_flight: int) -> StandaloneRun:
+    """Run one burst of jobs on every engine at once, each engine from a cold prefix cache.
+    The engines may be this process's own or a service worker's resident one: the bench can
+    drive a worker's engine directly, so that both arms of a pair meet the same engine."""
+    if mode not in ADMISSION_MODES:
+        raise ValueError(f"admission mode must be one of {ADMISSION_MODES}")
+    jobs_by_engine = [_grouped(jobs) for jobs in jobs_by_engine]
+    for adapter in engines:
+        adapter.reset_prefix_cache()
+    burst = next(_bursts)
+    started = time.time()
+    prompts_by_engine = [list(zip(_tokenize(prompts, jobs), (job[2] for job in jobs),
+                                  strict=True)) for jobs in jobs_by_engine]
+    futures = [adapter.schedule(
+                   lambda engine, engine_prompts=engine_prompts, tag=f"sa{burst}-{index}":
+                   _burst(engine, engine_prompts, mode, in_flight, tag))
+               for index, (adapter, engine_prompts) in enumerate(
+                   zip(engines, prompts_by_engine, strict=True))]
+    outputs = [output for future in futures for output in future.result()]
+    finished = time.time()
+    return StandaloneRun(
+        started=started, finished=finished,
+        output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
+        prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
+        cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
+
+
+def _tokenize(prompts: PromptBuilder, jobs: Sequence[Job]) -> list[tuple[int, ...]]:
+    """Prompts as tuples, as the service's workers hand them over: the garbage collector walks
+    every element of a live list at each collection, but stops tracking a tuple of ints the
+    first time it meets one."""
+    distinct = list(dict.fromkeys(job[0] for job in jobs))
+    documents = dict(zip(distinct, prompts.documents(distinct), strict=True))
+    questions = prompts.questions([job[1] for job in jobs])
+    return [(*documents[job[0]], *tokens) for job, tokens in zip(jobs, questions, strict=True)]
+
+
+def _grouped(jobs: Sequence[Job]) -> list[Job]:
+    by_document: dict[str, list[Job]] = {}
     for job in jobs:
         by_document.setdefault(job[0], []).append(job)
     return [job for group in by_document.values() for job in group]

@@ -8,7 +8,7 @@ Documents are stored once, with their tokens: queue messages name them, workers 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +34,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -289,39 +289,42 @@ class Store:
         with self.engine.begin() as connection:
             connection.execute(Job.__table__.delete().where(self._among(Job.id, job_ids)))
 
-    def record_outcomes(self, outcomes: Sequence[JobOutcome]) -> None:
-        """Record finished jobs. Only jobs still queued or running take the outcome: a job
-        already finished (an earlier delivery) or cancelled keeps its first ending."""
-        job = Job.__table__
+    def record_outcomes(self, outcomes: Sequence[JobOutcome],
+                        batch_stats: Sequence[dict[str, Any]] = ()) -> None:
+        """Record finished jobs, and the statistics of batches that ended with them, in one
+        transaction (one commit per gathering: each commit costs the database a WAL flush).
+        Only jobs still queued or running take the outcome: a job already finished (an
+        earlier delivery) or cancelled keeps its first ending."""
         with self.engine.begin() as connection:
-            active = set(connection.execute(
-                select(job.c.id)
-                .where(self._among(job.c.id, [o.job_id for o in outcomes]),
-                       job.c.status.in_(_ACTIVE))
-                .with_for_update()).scalars())
-            outcomes = [o for o in outcomes if o.job_id in active]
-            if not outcomes:
-                return
-            succeeded = [o for o in outcomes if o.error is None]
-            if succeeded:
-                recorded_at = utcnow()
-                connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
-                    {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
-                     "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
-                     "created_at": recorded_at} for o in succeeded])
-            connection.execute(
-                update(job).where(job.c.id == bindparam("b_id")).values(
-                    status=bindparam("b_status"), error=bindparam("b_error"),
-                    finished_at=bindparam("b_finished_at")),
-                [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
-                  "b_status": (JobStatus.SUCCEEDED if o.error is None else JobStatus.FAILED).value}
-                 for o in outcomes])
+            if batch_stats:
+                connection.execute(BatchStat.__table__.insert(), list(batch_stats))
+            if outcomes:
+                self._record_outcomes(connection, outcomes)
 
-    def record_batch_stats(self, rows: Iterable[dict[str, Any]]) -> None:
-        rows = list(rows)
-        if rows:
-            with self.engine.begin() as connection:
-                connection.execute(BatchStat.__table__.insert(), rows)
+    def _record_outcomes(self, connection: Connection, outcomes: Sequence[JobOutcome]) -> None:
+        job = Job.__table__
+        active = set(connection.execute(
+            select(job.c.id)
+            .where(self._among(job.c.id, [o.job_id for o in outcomes]),
+                   job.c.status.in_(_ACTIVE))
+            .with_for_update()).scalars())
+        outcomes = [o for o in outcomes if o.job_id in active]
+        if not outcomes:
+            return
+        succeeded = [o for o in outcomes if o.error is None]
+        if succeeded:
+            recorded_at = utcnow()
+            connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
+                {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
+                 "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
+                 "created_at": recorded_at} for o in succeeded])
+        connection.execute(
+            update(job).where(job.c.id == bindparam("b_id")).values(
+                status=bindparam("b_status"), error=bindparam("b_error"),
+                finished_at=bindparam("b_finished_at")),
+            [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
+              "b_status": (JobStatus.SUCCEEDED if o.error is None else JobStatus.FAILED).value}
+             for o in outcomes])
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job that has not finished; False if it had already ended."""

@@ -8,12 +8,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+import pytest
+from sqlalchemy import event, func, select
+from sqlalchemy.exc import IntegrityError
 
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
-from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.store import BatchStat, JobOutcome, Store, utcnow
 from tests.conftest import record_queued_job
 
 
@@ -51,6 +53,30 @@ def test_a_result_records_when_it_was_written_beside_when_the_engine_finished(
     record = store.get_many([job_id])[job_id]
     assert record.finished_at == engine_finished
     assert record.recorded_at is not None and before <= record.recorded_at <= utcnow()
+
+
+def _batch_stats(worker: str, jobs: int) -> dict[str, Any]:
+    now = utcnow()
+    return {"worker": worker, "shard": 0, "jobs": jobs, "prompt_tokens": 10,
+            "completion_tokens": 2, "cached_tokens": 0, "started_at": now, "finished_at": now,
+            "wall_seconds": 1.0, "requests_per_second": 1.0, "tokens_per_second": 2.0}
+
+
+def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
+    store.claim_for_running([job_id], "w", max_attempts=3)
+    outcome = JobOutcome(job_id, "answer", None, 2, 0, utcnow())
+    unwritable = {**_batch_stats("w", 1), "jobs": None}
+    with pytest.raises(IntegrityError):
+        store.record_outcomes([outcome], [unwritable])
+    assert store.get_many([job_id])[job_id].status is JobStatus.RUNNING
+    worker = f"w-{uuid.uuid4().hex}"
+    store.record_outcomes([outcome], [_batch_stats(worker, 1)])
+    assert store.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED
+    with store.engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(BatchStat)
+                                  .where(BatchStat.worker == worker)).scalar_one() == 1
 
 
 def test_stale_jobs_are_those_of_another_redis_epoch(

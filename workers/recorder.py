@@ -179,9 +179,7 @@ class ResultRecorder:
         (outcome writes are idempotent, so a retry after a partial success is harmless)."""
         for attempt in itertools.count():
             try:
-                if pending.outcomes:
-                    self._store.record_outcomes(pending.outcomes)
-                self._store.record_batch_stats(pending.batch_stats)
+                self._store.record_outcomes(pending.outcomes, pending.batch_stats)
                 return
             except Exception as error:
                 delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,10 +26,11 @@ from jobsvc.affinity import ShardState
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
+    ENGINE_ROLE,
     ArmResult,
     Pair,
     ProcessKey,
-    cpu_seconds_used,
+    cpu_seconds_by_role,
     ideal_hit_rate,
     percentile,
     reading_at,
@@ -55,7 +56,8 @@ NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
 # `zipf`: as many jobs as `reuse` on as many documents, asked with Zipf popularity (the most
 # asked document draws a fifth of the jobs, most are asked once or twice).
 ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
-SERVER_PROCESS_NAMES = frozenset({"redis-server", "postgres"})
+# The servers' process names, and their roles in the service arm's CPU accounting.
+SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
 # Between the service arm's polls for its unfinished jobs. Each poll asks only for the jobs
@@ -65,6 +67,8 @@ _POLL_SECONDS = 1.0
 # Quiet time before each arm, so that neither starts while the other's trailing work (the
 # last acknowledgements and statistics, an engine's threads winding down) still runs.
 _SETTLE_SECONDS = 1.0
+# The key under which a CPU sample carries the hypervisor's steal, read off like the roles.
+_STEAL = "steal"
 # How long a standalone burst on the workers' engines may take before the bench gives up.
 _WORKER_BURST_TIMEOUT_SECONDS = 1800.0
 
@@ -142,8 +146,10 @@ def _steal_now() -> float:
     return steal_seconds(text, os.sysconf("SC_CLK_TCK"))
 
 
-def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool
+def _tree_cpu(roots: Iterable[psutil.Process], role: str, *, descendants: bool
               ) -> dict[ProcessKey, float]:
+    """Cumulative CPU seconds of these processes (and their descendants), keyed by PID and
+    role: `role`, or ENGINE_ROLE for vLLM's engine processes."""
     times: dict[ProcessKey, float] = {}
     for root in roots:
         try:
@@ -156,7 +162,7 @@ def _tree_cpu(roots: Iterable[psutil.Process], *, descendants: bool
                 engine = member.name().startswith(ENGINE_PROCESS_PREFIX)
             except psutil.NoSuchProcess:
                 continue
-            times[member.pid, engine] = cpu.user + cpu.system
+            times[member.pid, ENGINE_ROLE if engine else role] = cpu.user + cpu.system
     return times
 
 
@@ -197,21 +203,33 @@ class _Bench:
     def service_roots(self) -> list[psutil.Process]:
         return [psutil.Process(process.pid) for process in self.workers.processes]
 
-    def server_processes(self) -> list[psutil.Process]:
-        return [process for process in psutil.process_iter(["name"])
-                if process.info["name"] in SERVER_PROCESS_NAMES]
+    def server_processes(self) -> dict[str, list[psutil.Process]]:
+        """Redis's and PostgreSQL's processes, by role."""
+        servers: dict[str, list[psutil.Process]] = {role: [] for role in SERVER_ROLES.values()}
+        for process in psutil.process_iter(["name"]):
+            role = SERVER_ROLES.get(process.info["name"])
+            if role is not None:
+                servers[role].append(process)
+        return servers
 
-    def service_cpu(self, servers: Iterable[psutil.Process]) -> dict[ProcessKey, float]:
-        return {**_tree_cpu([psutil.Process()], descendants=False),
-                **_tree_cpu(self.service_roots(), descendants=True),
-                **_tree_cpu(servers, descendants=False)}
+    def service_cpu(self, servers: Mapping[str, Iterable[psutil.Process]]
+                    ) -> dict[ProcessKey, float]:
+        times = {**_tree_cpu([psutil.Process()], "producer", descendants=False),
+                 **_tree_cpu(self.service_roots(), "worker", descendants=True)}
+        for role, processes in servers.items():
+            times.update(_tree_cpu(processes, role, descendants=False))
+        return times
 
     def standalone_cpu(self) -> dict[ProcessKey, float]:
-        everything = _tree_cpu([psutil.Process()], descendants=True)
+        """The bench process (which drives the engines, or waits for the workers to), and
+        the engines it drives: its own, or the workers' with their processes."""
         if self.options.standalone_on_workers:
-            return everything
-        service = set(_tree_cpu(self.service_roots(), descendants=True))
-        return {key: seconds for key, seconds in everything.items() if key not in service}
+            return {**_tree_cpu([psutil.Process()], "bench", descendants=False),
+                    **_tree_cpu(self.service_roots(), "worker", descendants=True)}
+        everything = _tree_cpu([psutil.Process()], "bench", descendants=True)
+        service = {pid for pid, _ in _tree_cpu(self.service_roots(), "worker",
+                                               descendants=True)}
+        return {key: seconds for key, seconds in everything.items() if key[0] not in service}
 
     def start_engines(self, standalone_first: bool = False) -> None:
         """Start the service's workers and the standalone arm's engines, in either order (of
@@ -278,17 +296,18 @@ class _Bench:
         bytes_after = self.redis.info("stats")["total_net_input_bytes"]
         # CPU is sampled at every poll and read off at the moment the last result was recorded,
         # as the standalone arm's is read when its last request returns. The sampling's own CPU
-        # is the bench's, not the service's: it is taken out.
-        samples: list[tuple[float, tuple[float, float, float]]] = []
+        # is the bench's, not the service's: it is taken out of the producer's.
+        samples: list[tuple[float, dict[str, float]]] = []
         sampling = 0.0
 
         def sample() -> None:
             nonlocal sampling
             sampling_started = time.thread_time()
-            total, outside_engine = cpu_seconds_used(before, self.service_cpu(servers))
-            steal = _steal_now() - steal_before
+            used = cpu_seconds_by_role(before, self.service_cpu(servers))
+            used[_STEAL] = _steal_now() - steal_before
             sampling += time.thread_time() - sampling_started
-            samples.append((time.time(), (total - sampling, outside_engine - sampling, steal)))
+            used["producer"] -= sampling
+            samples.append((time.time(), used))
 
         pending = ids
         while pending:
@@ -302,9 +321,10 @@ class _Bench:
         # engine finish stands in).
         finished = max(_timestamp(record.recorded_at or record.finished_at)
                        for record in records)
-        cpu, outside_engine, steal = (
-            reading_at([(moment, used[part]) for moment, used in samples], finished)
-            for part in (0, 1, 2))
+        cpu_by_role = {role: reading_at([(moment, used.get(role, 0.0))
+                                         for moment, used in samples], finished)
+                       for role in samples[-1][1]}
+        steal = cpu_by_role.pop(_STEAL)
         if record:
             totals = self.totals
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -333,8 +353,7 @@ class _Bench:
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
         return ArmResult(len(ids), finished - started,
-                         sum(r.completion_tokens or 0 for r in records), cpu, outside_engine,
-                         steal)
+                         sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -354,11 +373,11 @@ class _Bench:
         run = (engines.run(per_engine, mode, in_flight) if engines is not None
                else self.run_on_workers(per_engine, mode, in_flight))
         steal = _steal_now() - steal_before
-        cpu, outside_engine = cpu_seconds_used(before, self.standalone_cpu())
+        cpu_by_role = cpu_seconds_by_role(before, self.standalone_cpu())
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
-        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu, outside_engine, steal)
+        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal)
 
 
 def _timestamp(moment: datetime | None) -> float:

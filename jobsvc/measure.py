@@ -25,21 +25,21 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 0.5)
 
 
-# A process in a CPU snapshot: its PID, and whether it is one of vLLM's engine processes.
-ProcessKey = tuple[int, bool]
+# A process in a CPU snapshot: its PID and its part in the arm, such as "producer",
+# "worker", "redis", "postgres", or ENGINE_ROLE for vLLM's engine processes.
+ProcessKey = tuple[int, str]
+ENGINE_ROLE = "engine"
 
 
-def cpu_seconds_used(before: Mapping[ProcessKey, float],
-                     after: Mapping[ProcessKey, float]) -> tuple[float, float]:
-    """CPU seconds spent between two snapshots of {process: cumulative CPU seconds}, in all
-    and outside the engine's processes. A process that appeared in between counts from zero;
-    one that vanished is not counted (its time after the first snapshot cannot be known).
-
-    The part outside the engine is the steady one: vLLM's engine processes spin-wait on their
-    cores between steps, so their CPU time follows the wall clock, noise included."""
-    used = {key: total - before.get(key, 0.0) for key, total in after.items()}
-    return sum(used.values()), sum(seconds for (_, engine), seconds in used.items()
-                                   if not engine)
+def cpu_seconds_by_role(before: Mapping[ProcessKey, float],
+                        after: Mapping[ProcessKey, float]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots of {process: cumulative CPU seconds}, summed
+    per role. A process that appeared in between counts from zero; one that vanished is not
+    counted (its time after the first snapshot cannot be known)."""
+    used: dict[str, float] = {}
+    for (pid, role), total in after.items():
+        used[role] = used.get(role, 0.0) + total - before.get((pid, role), 0.0)
+    return used
 
 
 def reading_at(samples: Sequence[tuple[float, float]], moment: float) -> float:
@@ -78,11 +78,21 @@ class ArmResult:
     jobs: int
     seconds: float
     output_tokens: int
-    cpu_seconds: float
-    # The part of cpu_seconds spent outside vLLM's engine processes.
-    outside_engine_cpu_seconds: float
+    # CPU seconds of every process the arm used, summed per role (see ProcessKey).
+    cpu_by_role: Mapping[str, float]
     # CPU time stolen by the hypervisor while the arm ran (0 on bare metal).
     steal_seconds: float = 0.0
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu_by_role.values())
+
+    @property
+    def outside_engine_cpu_seconds(self) -> float:
+        """The steady part of the arm's CPU: vLLM's engine processes spin-wait on their cores
+        between steps, so their CPU time follows the wall clock, noise included."""
+        return sum(seconds for role, seconds in self.cpu_by_role.items()
+                   if role != ENGINE_ROLE)
 
     @property
     def requests_per_second(self) -> float:
@@ -135,7 +145,21 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float]:
         # neither arm's CPU accounting sees.
         "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
         "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
+        # Where each arm's CPU outside the engine went, in milliseconds per job.
+        "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
+        "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),
     }
+
+
+def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:
+    results = [getattr(pair, arm) for pair in pairs]
+    jobs = sum(result.jobs for result in results)
+    totals: dict[str, float] = {}
+    for result in results:
+        for role, seconds in result.cpu_by_role.items():
+            if role != ENGINE_ROLE:
+                totals[role] = totals.get(role, 0.0) + seconds
+    return {role: round(seconds / jobs * 1000, 3) for role, seconds in sorted(totals.items())}
 
 
 def _per_job(pairs: Sequence[Pair], arm: str, seconds: str) -> float:

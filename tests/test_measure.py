@@ -11,9 +11,10 @@ import pytest
 from jobsvc.bench import BenchOptions, bench_jobs
 from jobsvc.errors import InvalidJob
 from jobsvc.measure import (
+    ENGINE_ROLE,
     ArmResult,
     Pair,
-    cpu_seconds_used,
+    cpu_seconds_by_role,
     ideal_hit_rate,
     median,
     percentile,
@@ -35,14 +36,18 @@ def test_percentiles_interpolate_linearly() -> None:
 
 
 def test_cpu_used_counts_new_processes_from_zero_and_ignores_vanished_ones() -> None:
-    before = {(1, False): 10.0, (2, False): 5.0, (4, True): 20.0}
-    after = {(1, False): 12.5, (3, False): 1.0, (4, True): 26.0, (5, True): 2.0}
-    assert cpu_seconds_used(before, after) == pytest.approx((11.5, 3.5))
+    before = {(1, "worker"): 10.0, (2, "worker"): 5.0, (4, ENGINE_ROLE): 20.0}
+    after = {(1, "worker"): 12.5, (3, "redis"): 1.0, (4, ENGINE_ROLE): 26.0,
+             (5, ENGINE_ROLE): 2.0}
+    used = cpu_seconds_by_role(before, after)
+    assert used == pytest.approx({"worker": 2.5, "redis": 1.0, ENGINE_ROLE: 8.0})
+    arm = ArmResult(jobs=10, seconds=1.0, output_tokens=10, cpu_by_role=used)
+    assert (arm.cpu_seconds, arm.outside_engine_cpu_seconds) == pytest.approx((11.5, 3.5))
 
 
 def _arm(jobs: int, seconds: float, cpu: float, outside_engine: float = 1.0) -> ArmResult:
-    return ArmResult(jobs=jobs, seconds=seconds, output_tokens=jobs * 16, cpu_seconds=cpu,
-                     outside_engine_cpu_seconds=outside_engine)
+    return ArmResult(jobs=jobs, seconds=seconds, output_tokens=jobs * 16,
+                     cpu_by_role={"worker": outside_engine, ENGINE_ROLE: cpu - outside_engine})
 
 
 def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
@@ -64,6 +69,7 @@ def test_added_cpu_share_compares_the_cpu_each_arm_spends_outside_the_engine() -
     assert summary["standalone_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.005)
     assert summary["service_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.008)
     assert summary["added_cpu_share"] == pytest.approx(0.6 / 40.0)
+    assert summary["service_outside_engine_cpu_ms_per_job_by_role"] == {"worker": 8.0}
 
 
 def test_steal_is_read_from_the_aggregate_cpu_line_and_summed_per_arm() -> None:

@@ -1,5 +1,7 @@
-"""`jobsvc bench`: finite bursts through the service and through standalone vLLM on the same
-engines, in alternated pairs, with throughput, CPU-seconds per job and cache figures as JSON.
+"""`jobsvc bench`: finite bursts through the service and through standalone vLLM, in
+alternated pairs, with throughput, CPU-seconds per job and cache figures as JSON. By default
+the standalone arm drives the service workers' own engines directly, so that both arms of a
+pair meet the same engine instance.
 
 Both arms share the machine, the engine configuration, the shard count, the documents and the
 document-to-engine assignment; each pair reverses the order of the previous one, and every
@@ -93,7 +95,8 @@ class BenchOptions:
     # Run the standalone arm on the service workers' own engines, driven directly inside each
     # worker process with the queue and database left out. Both arms of a pair then meet the
     # same engine, and a difference in speed between engine instances cannot enter the ratio.
-    standalone_on_workers: bool = False
+    # Otherwise the bench process starts engines of its own for the standalone arm.
+    standalone_on_workers: bool = True
 
 
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
@@ -395,7 +398,8 @@ def run_bench(settings: Settings, options: BenchOptions,
     bench = _Bench(settings, options, progress)
     from workers.standalone import ADMISSION_MODES
 
-    progress(f"starting {settings.shards} service worker(s) and standalone engine(s)")
+    progress(f"starting {settings.shards} service worker(s)"
+             + ("" if options.standalone_on_workers else " and standalone engine(s)"))
     try:
         bench.start_engines()
         with Client(settings=bench.workers.settings) as client:

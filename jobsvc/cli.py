@@ -49,7 +49,7 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            words=args.words, output_tokens=args.output_tokens,
                            json_path=args.json, plot_path=args.plot,
                            fresh_engines=args.fresh_engines,
-                           standalone_on_workers=args.standalone_on_workers)
+                           standalone_on_workers=not args.own_standalone_engines)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fresh-engines", action="store_true",
                        help="start every engine afresh before each pair (engines started "
                             "alike can differ in speed for their whole life)")
-    bench.add_argument("--standalone-on-workers", action="store_true",
-                       help="run the standalone arm on the service workers' own engines, "
-                            "driven directly, so both arms meet the same engine")
+    bench.add_argument("--own-standalone-engines", action="store_true",
+                       help="give the standalone arm engines of its own in the bench process "
+                            "(by default it drives the service workers' engines directly, so "
+                            "both arms meet the same engine)")
     bench.set_defaults(run=_bench)
     simulate = commands.add_parser(
         "simulate", help="replay a workload over simulated shards under one routing policy")

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # `jobsvc bench` on a GPU host: the code path of the CPU runs, with the regular vllm package
-# (`bash ops/setup.sh gpu`) and one shard per GPU (its service worker and its standalone engine
-# both bound to that GPU), on the reuse, unique and uneven workloads in turn.
+# (`bash ops/setup.sh gpu`) and one shard per GPU (its service worker bound to that GPU, whose
+# engine the standalone arm drives directly too), on the reuse, unique and uneven workloads.
 #
 #   bash ops/gpu-bench.sh [RESULTS_DIR]       default: bench-out/gpu-<UTC time>
 #
 # Writes RESULTS_DIR/<workload>.json and .png, and logs under RESULTS_DIR/logs/<workload>/.
-# GPUS (default: every GPU `nvidia-smi -L` lists) and TRIALS (default 7) shape the run; any
-# JOBSVC_* variable set beforehand wins over the defaults below. Needs Redis at
+# GPUS (default: every GPU `nvidia-smi -L` lists), TRIALS (default 7) and BENCH_ARGS (more
+# `jobsvc bench` options, such as --fresh-engines) shape the run; any JOBSVC_* variable set
+# beforehand wins over the defaults below. Needs Redis at
 # JOBSVC_REDIS_URL and an existing PostgreSQL database at JOBSVC_DATABASE_URL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +39,10 @@ export JOBSVC_ENFORCE_EAGER="${JOBSVC_ENFORCE_EAGER:-false}"
 export JOBSVC_MAX_MODEL_LEN="${JOBSVC_MAX_MODEL_LEN:-8192}"
 # vLLM's block size on GPUs; the router hashes prefixes in blocks of the same size.
 export JOBSVC_BLOCK_SIZE="${JOBSVC_BLOCK_SIZE:-16}"
-# Each GPU holds two resident engines, the service worker's and the standalone arm's, each
-# with its own share of the GPU's memory: on 80 GB, 36 GB each is 16 GB of weights and the rest
-# mostly KV cache. Smaller GPUs need a smaller model.
-export JOBSVC_GPU_MEMORY_UTILIZATION="${JOBSVC_GPU_MEMORY_UTILIZATION:-0.45}"
+# Each GPU holds one resident engine, the service worker's, which the standalone arm drives
+# directly as well: on 80 GB, 0.9 of it is 16 GB of weights and the rest mostly KV cache.
+# With --own-standalone-engines in BENCH_ARGS each GPU holds two engines: give each 0.45.
+export JOBSVC_GPU_MEMORY_UTILIZATION="${JOBSVC_GPU_MEMORY_UTILIZATION:-0.9}"
 JOBSVC_BENCH_DEVICES="${JOBSVC_BENCH_DEVICES:-$(seq -s ' ' 0 $((GPUS - 1)))}"
 export JOBSVC_BENCH_DEVICES
 export JOBSVC_DATABASE_URL="${JOBSVC_DATABASE_URL:-postgresql://postgres@127.0.0.1/jobsvc_bench}"
@@ -63,6 +64,6 @@ for workload in reuse unique "$repo/ops/workloads/uneven.jsonl"; do
   # Run from the log directory: the bench writes its workers' logs to ./bench-logs.
   (cd "$logs" && "$repo/.venv/bin/jobsvc" bench --workload "$workload" --shards "$GPUS" \
     --trials "$trials" --json "$results/$name.json" --plot "$results/$name.png" \
-    2>progress.log)
+    ${BENCH_ARGS:-} 2>progress.log)
 done
 echo "results in $results" >&2

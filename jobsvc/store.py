@@ -31,6 +31,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -153,6 +154,10 @@ class JobOutcome:
     cached_tokens: int
     finished_at: datetime
 
+    @property
+    def status(self) -> JobStatus:
+        return JobStatus.SUCCEEDED if self.error is None else JobStatus.FAILED
+
 
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
@@ -182,6 +187,44 @@ def make_engine(database_url: str) -> Engine:
 
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+# A gathering's outcomes in one statement on PostgreSQL: the jobs still active take theirs,
+# and those that succeeded get their result rows, all from arrays. Row by row (one UPDATE and
+# one INSERT per job, after a SELECT that locks them), 32-job gatherings with their batch
+# statistics cost the recorder 0.17-0.19 ms of CPU per job and the database 0.17-0.25 on a
+# loopback connection; this way 0.09 and 0.10.
+_RECORD_OUTCOMES_POSTGRESQL = text("""
+WITH finished AS (
+    UPDATE jobs SET status = o.status, error = o.error, finished_at = o.finished_at
+    FROM unnest(CAST(:ids AS varchar[]), CAST(:statuses AS varchar[]),
+                CAST(:errors AS text[]), CAST(:finished_at AS timestamptz[]))
+         AS o (id, status, error, finished_at)
+    WHERE jobs.id = o.id AND jobs.status = ANY(CAST(:active AS varchar[]))
+    RETURNING jobs.id)
+INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, created_at)
+SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, :recorded_at
+FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
+            CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]))
+     AS r (job_id, answer_zst, completion_tokens, cached_tokens)
+JOIN finished ON finished.id = r.job_id
+ON CONFLICT DO NOTHING""")
+
+
+def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOutcome]
+                                ) -> None:
+    succeeded = [o for o in outcomes if o.error is None]
+    connection.execute(_RECORD_OUTCOMES_POSTGRESQL, {
+        "ids": [o.job_id for o in outcomes],
+        "statuses": [o.status.value for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "finished_at": [o.finished_at for o in outcomes],
+        "active": list(_ACTIVE),
+        "recorded_at": utcnow(),
+        "result_ids": [o.job_id for o in succeeded],
+        "answers": [compression.compress((o.answer or "").encode()) for o in succeeded],
+        "completion_tokens": [o.completion_tokens for o in succeeded],
+        "cached_tokens": [o.cached_tokens for o in succeeded],
+    })
 
 
 class Store:
@@ -295,19 +338,30 @@ class Store:
         transaction (one commit per gathering: each commit costs the database a WAL flush).
         Only jobs still queued or running take the outcome: a job already finished (an
         earlier delivery) or cancelled keeps its first ending."""
+        # A job delivered twice can end twice in one gathering: its first ending counts.
+        first: dict[str, JobOutcome] = {}
+        for outcome in outcomes:
+            first.setdefault(outcome.job_id, outcome)
+        outcomes = list(first.values())
         with self.engine.begin() as connection:
             if batch_stats:
                 connection.execute(BatchStat.__table__.insert(), list(batch_stats))
-            if outcomes:
-                self._record_outcomes(connection, outcomes)
+            if not outcomes:
+                return
+            if self._dialect is postgresql:
+                _record_outcomes_postgresql(connection, outcomes)
+            else:
+                self._record_outcomes_row_by_row(connection, outcomes)
 
-    def _record_outcomes(self, connection: Connection, outcomes: Sequence[JobOutcome]) -> None:
+    def _record_outcomes_row_by_row(self, connection: Connection,
+                                    outcomes: Sequence[JobOutcome]) -> None:
+        """For the embedded SQLite, which has no arrays (nor row locks: it writes one
+        transaction at a time)."""
         job = Job.__table__
         active = set(connection.execute(
             select(job.c.id)
             .where(self._among(job.c.id, [o.job_id for o in outcomes]),
-                   job.c.status.in_(_ACTIVE))
-            .with_for_update()).scalars())
+                   job.c.status.in_(_ACTIVE))).scalars())
         outcomes = [o for o in outcomes if o.job_id in active]
         if not outcomes:
             return
@@ -323,8 +377,7 @@ class Store:
                 status=bindparam("b_status"), error=bindparam("b_error"),
                 finished_at=bindparam("b_finished_at")),
             [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
-              "b_status": (JobStatus.SUCCEEDED if o.error is None else JobStatus.FAILED).value}
-             for o in outcomes])
+              "b_status": o.status.value} for o in outcomes])
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job that has not finished; False if it had already ended."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -131,24 +131,45 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
     assert document_rows == [2]
 
 
+@pytest.fixture()
+def embedded(tmp_path: Path) -> Iterator[Store]:
+    """A store on the embedded SQLite, beside the PostgreSQL one."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    upgrade_to_head(url)
+    repository = Store(url)
+    yield repository
+    repository.dispose()
+
+
 def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(
-        store: Store, tmp_path: Path) -> None:
+        store: Store, embedded: Store) -> None:
     # PostgreSQL takes the IDs as one array parameter, SQLite as an IN list.
-    embedded_url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    upgrade_to_head(embedded_url)
-    embedded = Store(embedded_url)
-    try:
-        for repository in (store, embedded):
-            ids = [record_queued_job(repository) for _ in range(3)]
-            assert repository.claim_for_running(ids[:2], "w", max_attempts=3) == set(ids[:2])
-            repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
-            assert repository.statuses([*ids, "unknown"]) == {
-                ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING,
-                ids[2]: JobStatus.QUEUED}
-            assert repository.count_unfinished(ids) == 2
-            assert set(repository.job_documents(ids)) == set(ids)
-            assert repository.get_many(ids)[ids[0]].answer == "answer"
-            repository.forget_submitted(ids[2:])
-            assert set(repository.statuses(ids)) == set(ids[:2])
-    finally:
-        embedded.dispose()
+    for repository in (store, embedded):
+        ids = [record_queued_job(repository) for _ in range(3)]
+        assert repository.claim_for_running(ids[:2], "w", max_attempts=3) == set(ids[:2])
+        repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
+        assert repository.statuses([*ids, "unknown"]) == {
+            ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING, ids[2]: JobStatus.QUEUED}
+        assert repository.count_unfinished(ids) == 2
+        assert set(repository.job_documents(ids)) == set(ids)
+        assert repository.get_many(ids)[ids[0]].answer == "answer"
+        repository.forget_submitted(ids[2:])
+        assert set(repository.statuses(ids)) == set(ids[:2])
+
+
+def test_a_job_that_ends_twice_in_one_gathering_keeps_its_first_ending_on_both_databases(
+        store: Store, embedded: Store) -> None:
+    # PostgreSQL records a gathering in one statement from arrays, SQLite row by row.
+    for repository in (store, embedded):
+        answered, failed = (record_queued_job(repository) for _ in range(2))
+        repository.claim_for_running([answered, failed], "w", max_attempts=3)
+        repository.record_outcomes([
+            JobOutcome(answered, "first", None, 2, 0, utcnow()),
+            JobOutcome(failed, None, "engine error", 0, 0, utcnow()),
+            JobOutcome(answered, None, "second delivery failed", 0, 0, utcnow()),
+            JobOutcome(failed, "late answer", None, 3, 0, utcnow())])
+        records = repository.get_many([answered, failed])
+        assert (records[answered].status, records[answered].answer,
+                records[answered].error) == (JobStatus.SUCCEEDED, "first", None)
+        assert (records[failed].status, records[failed].answer,
+                records[failed].error) == (JobStatus.FAILED, None, "engine error")

@@ -123,7 +123,7 @@ class Pair:
         return self.service.requests_per_second / self.standalone.requests_per_second
 
 
-def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float]:
+def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]]:
     ratios = [pair.ratio for pair in pairs]
     service_cpu = _per_job(pairs, "service", "cpu_seconds")
     standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")

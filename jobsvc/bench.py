@@ -34,6 +34,7 @@ from jobsvc.measure import (
     ProcessKey,
     cpu_seconds_by_role,
     ideal_hit_rate,
+    outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
     steal_seconds,
@@ -183,6 +184,7 @@ class _Totals:
     gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
     gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
     gc_cpu_max_ms: dict[str, float] = field(default_factory=dict)
+    gc_collections_by_generation: dict[str, list[int]] = field(default_factory=dict)
     bytes_enqueued: list[int] = field(default_factory=list)
     failed: int = 0
 
@@ -351,6 +353,11 @@ class _Bench:
                         worker, [0.0, 0.0, 0.0])
                     by_generation[:] = map(max, by_generation,
                                            reading["gc_pause_max_ms_by_generation"])
+                    collections = totals.gc_collections_by_generation.setdefault(
+                        worker, [0, 0, 0])
+                    collections[:] = map(sum, zip(collections,
+                                                  reading["gc_collections_by_generation"],
+                                                  strict=True))
             mismatched = sum(r.shard != planned
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
@@ -489,6 +496,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "gc_pause_max_ms": totals.gc_pause_max_ms,
         "gc_pause_max_ms_by_generation": totals.gc_pause_max_ms_by_generation,
         "gc_cpu_max_ms": totals.gc_cpu_max_ms,
+        "gc_collections_by_generation": totals.gc_collections_by_generation,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
         "engine_finish_to_recorded_ms": {
@@ -508,6 +516,10 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
                 pair.standalone.outside_engine_cpu_seconds_per_job,
             "service_outside_engine_cpu_s_per_job":
                 pair.service.outside_engine_cpu_seconds_per_job,
+            "standalone_outside_engine_cpu_ms_per_job_by_role":
+                outside_engine_ms_per_job_by_role([pair.standalone]),
+            "service_outside_engine_cpu_ms_per_job_by_role":
+                outside_engine_ms_per_job_by_role([pair.service]),
             "standalone_steal_s": pair.standalone.steal_seconds,
             "service_steal_s": pair.service.steal_seconds,
         } for pair in pairs],

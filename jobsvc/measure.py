@@ -152,7 +152,12 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]
 
 
 def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:
-    results = [getattr(pair, arm) for pair in pairs]
+    return outside_engine_ms_per_job_by_role([getattr(pair, arm) for pair in pairs])
+
+
+def outside_engine_ms_per_job_by_role(results: Sequence[ArmResult]) -> dict[str, float]:
+    """Where these runs' CPU outside the engine went, in milliseconds per job by role: per
+    pair it tells which process an outlying burst spent more in."""
     jobs = sum(result.jobs for result in results)
     totals: dict[str, float] = {}
     for result in results:

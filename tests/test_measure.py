@@ -17,6 +17,7 @@ from jobsvc.measure import (
     cpu_seconds_by_role,
     ideal_hit_rate,
     median,
+    outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
     steal_seconds,
@@ -70,6 +71,7 @@ def test_added_cpu_share_compares_the_cpu_each_arm_spends_outside_the_engine() -
     assert summary["service_outside_engine_cpu_seconds_per_job"] == pytest.approx(0.008)
     assert summary["added_cpu_share"] == pytest.approx(0.6 / 40.0)
     assert summary["service_outside_engine_cpu_ms_per_job_by_role"] == {"worker": 8.0}
+    assert outside_engine_ms_per_job_by_role([pairs[0].service]) == {"worker": 9.0}
 
 
 def test_steal_is_read_from_the_aggregate_cpu_line_and_summed_per_arm() -> None:

@@ -76,9 +76,11 @@ def _stats(settings: Settings, _args: argparse.Namespace) -> None:
 
 
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
-    command = ["celery", f"--broker={settings.redis_url}", "flower",
+    # This interpreter's Celery: `celery` need not be on PATH (a virtual environment used
+    # without activating it, as the README does).
+    command = [sys.executable, "-m", "celery", f"--broker={settings.redis_url}", "flower",
                f"--address={args.address}", f"--port={settings.flower_port}"]
-    os.execvp(command[0], command)
+    os.execv(command[0], command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -137,6 +137,14 @@ class Client:
         try:
             epoch = self._shard_state.epoch()
             stale = self._store.stale_jobs(epoch, limit)
+            unreadable = [row["job_id"] for row in stale if row["document"] is None]
+            if unreadable:
+                self._store.fail(unreadable, "its message was lost with a restarted Redis and "
+                                 "its document does not read back from the database, so it "
+                                 "cannot be enqueued again; submit it again")
+                log.error("failed %d lost jobs whose documents do not read back",
+                          len(unreadable))
+            stale = [row for row in stale if row["document"] is not None]
             if not stale:
                 return 0
             requests = [JobRequest(row["document"], row["question"], row["sampling"])

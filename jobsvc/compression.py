@@ -59,6 +59,18 @@ def decompress(frame: bytes) -> bytes:
     return b"".join(parts)
 
 
+class TextFrameError(ValueError):
+    """Bytes that are not a zstd frame of UTF-8 text, or one that inflates past the limit."""
+
+
+def decompress_text(frame: bytes) -> str:
+    """The text of a zstd frame written from a string; anything else raises TextFrameError."""
+    try:
+        return decompress(frame).decode()
+    except (zstandard.ZstdError, FrameTooLarge, UnicodeDecodeError) as error:
+        raise TextFrameError(f"not a readable text frame ({error})") from None
+
+
 class TokenFrameError(ValueError):
     """Bytes that are not a token frame written by `pack_tokens`."""
 

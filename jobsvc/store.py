@@ -177,6 +177,14 @@ def _readable_tokens(key: str, tokens_zst: bytes | None) -> list[int] | None:
         return None
 
 
+def _readable_text(key: str, text_zst: bytes) -> str | None:
+    try:
+        return compression.decompress_text(text_zst)
+    except compression.TextFrameError as error:
+        log.warning("document %s: %s", key, error)
+        return None
+
+
 def make_engine(database_url: str) -> Engine:
     if database_url.startswith("postgresql://"):
         database_url = "postgresql+psycopg://" + database_url.removeprefix("postgresql://")
@@ -272,18 +280,27 @@ class Store:
             ).all()
             exhausted = [job_id for job_id, attempts in claimed if attempts > max_attempts]
             if exhausted:
-                connection.execute(
-                    update(Job).where(self._among(Job.id, exhausted)).values(
-                        status=JobStatus.FAILED.value, finished_at=now,
-                        error=f"gave up after {max_attempts} deliveries: the worker running "
-                              "this job stopped each time before it finished"))
+                self._fail(connection, exhausted,
+                           f"gave up after {max_attempts} deliveries: the worker running this "
+                           "job stopped each time before it finished")
             return {job_id for job_id, attempts in claimed if attempts <= max_attempts}
+
+    def fail(self, job_ids: Sequence[str], reason: str) -> None:
+        """End these jobs failed with `reason`, unless they have already ended."""
+        with self.engine.begin() as connection:
+            self._fail(connection, job_ids, reason)
+
+    def _fail(self, connection: Connection, job_ids: Sequence[str], reason: str) -> None:
+        connection.execute(
+            update(Job).where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))
+            .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason))
 
     def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
         """Unfinished jobs enqueued into another Redis instance than the current one: their
-        messages are gone and they must be enqueued again."""
+        messages are gone and they must be enqueued again. A job whose document text does not
+        read back comes with `document` None, so that it alone fails, not every requeue."""
         query = (
-            select(Job.id, Job.question, Job.sampling, Document.text_zst)
+            select(Job.id, Job.question, Job.sampling, Document.key, Document.text_zst)
             .join(Document, Document.key == Job.document_key)
             .where(Job.status.in_(_ACTIVE),
                    or_(Job.redis_epoch.is_(None), Job.redis_epoch != epoch))
@@ -293,7 +310,7 @@ class Store:
         with self.engine.connect() as connection:
             rows = connection.execute(query).all()
         return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
-                 "document": compression.decompress(row.text_zst).decode()} for row in rows]
+                 "document": _readable_text(row.key, row.text_zst)} for row in rows]
 
     def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str]:
         """Each job's document by job ID: its recorded tokens or, where there are none that

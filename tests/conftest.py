@@ -41,17 +41,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.line("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
 
 
-def _recreate_database() -> str:
+def recreate_database(name: str = TEST_DATABASE) -> str:
+    """An empty PostgreSQL database of this name at the schema's head; returns its URL."""
     with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f"DROP DATABASE IF EXISTS {TEST_DATABASE} WITH (FORCE)")
-        connection.execute(f"CREATE DATABASE {TEST_DATABASE}")
-    return POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{TEST_DATABASE}"
+        connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        connection.execute(f"CREATE DATABASE {name}")
+    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    upgrade_to_head(url)
+    return url
 
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    database_url = _recreate_database()
-    upgrade_to_head(database_url)
+    database_url = recreate_database()
     for url in (WORKER_REDIS_URL, ROUTING_REDIS_URL):
         redis.Redis.from_url(url).flushdb()
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,13 @@ import pytest
 from sqlalchemy import event, func, select
 from sqlalchemy.exc import IntegrityError
 
+from jobsvc import Client
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, JobOutcome, Store, utcnow
-from tests.conftest import record_queued_job
+from tests.conftest import record_queued_job, recreate_database
 
 
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
@@ -86,6 +89,36 @@ def test_stale_jobs_are_those_of_another_redis_epoch(
     assert job_id in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
     store.mark_requeued({job_id: 0}, "new-epoch")
     assert job_id not in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
+
+
+def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_are_requeued(
+        routing_settings: Settings) -> None:
+    # A database of its own: requeueing takes every stale job it finds.
+    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
+    repository = Store(settings.resolved_database_url)
+    frames = {"readable": compress(b"The keeper counted seven cats on the pier."),
+              "not zstd": b"plain bytes", "not UTF-8": compress(b"\xff\xfe broken")}
+    keys = {name: uuid.uuid4().hex for name in frames}
+    jobs = {name: uuid.uuid4().hex for name in frames}
+    repository.record_submitted(
+        [{"key": keys[name], "text_zst": frame, "tokens_zst": pack_tokens([5, 6, 7]),
+          "tokens": 3, "created_at": utcnow()} for name, frame in frames.items()],
+        [{"id": jobs[name], "document_key": keys[name], "question": "How many cats?",
+          "sampling": {"max_tokens": 4}, "shard": 0, "status": "queued", "prompt_tokens": 10,
+          "estimated_prefill": 10, "submitted_at": utcnow(), "redis_epoch": "lost-redis"}
+         for name in frames])
+    try:
+        with Client(settings=settings) as client:
+            assert client.requeue_stale() == 1
+            records = {name: client.get(job_id) for name, job_id in jobs.items()}
+            # The readable job now belongs to this Redis: nothing is stale any more.
+            assert client.requeue_stale() == 0
+    finally:
+        repository.dispose()
+    assert records["readable"].status is JobStatus.QUEUED
+    for name in ("not zstd", "not UTF-8"):
+        assert records[name].status is JobStatus.FAILED
+        assert "does not read back" in (records[name].error or "")
 
 
 def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) -> None:

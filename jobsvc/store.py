@@ -312,16 +312,17 @@ class Store:
         return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
                  "document": _readable_text(row.key, row.text_zst)} for row in rows]
 
-    def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str]:
+    def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str | None]:
         """Each job's document by job ID: its recorded tokens or, where there are none that
-        read back, its text to tokenize. The job's own record, not the key a queue message
-        names, decides which document it is. A batch asks several questions of each document,
-        so each distinct document is read once, and its text only where it is needed."""
+        read back, its text to tokenize; None where neither reads back, so that such a job
+        fails alone. The job's own record, not the key a queue message names, decides which
+        document it is. A batch asks several questions of each document, so each distinct
+        document is read once, and its text only where it is needed."""
         with self.engine.connect() as connection:
             keys: dict[str, str] = dict(connection.execute(
                 select(Job.id, Job.document_key).where(self._among(Job.id, job_ids))).all())
             distinct = set(keys.values())
-            documents: dict[str, list[int] | str] = {}
+            documents: dict[str, list[int] | str | None] = {}
             for key, tokens_zst in connection.execute(
                     select(Document.key, Document.tokens_zst)
                     .where(self._among(Document.key, list(distinct)))):
@@ -333,7 +334,7 @@ class Store:
                 for key, text_zst in connection.execute(
                         select(Document.key, Document.text_zst)
                         .where(self._among(Document.key, untokenized))):
-                    documents[key] = compression.decompress(text_zst).decode()
+                    documents[key] = _readable_text(key, text_zst)
         return {job_id: documents[key] for job_id, key in keys.items()}
 
     def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:

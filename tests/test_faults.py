@@ -18,7 +18,7 @@ import redis
 from sqlalchemy import func, select
 
 from jobsvc import Client, JobStatus, StorageUnavailable
-from jobsvc.compression import pack_tokens
+from jobsvc.compression import compress, pack_tokens
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.routing import queue_name
@@ -141,26 +141,48 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
     assert attempts == 1
 
 
+def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]) -> list[str]:
+    """Record one job per document, stored as given (text frame, token frame) as no producer
+    would store it, and enqueue them all in one batch message; returns the job IDs."""
+    epoch = redis.Redis.from_url(harness.settings.redis_url).get("jobsvc:epoch").decode()
+    job_ids = {key: uuid.uuid4().hex for key in documents}
+    store = Store(harness.settings.resolved_database_url)
+    store.record_submitted(
+        [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
+          "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()],
+        [{"id": job_ids[key], "document_key": key, "question": "?", "sampling": {},
+          "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
+          "submitted_at": utcnow(), "redis_epoch": epoch} for key in documents])
+    store.dispose()
+    message = BatchMessage(0, [QueuedJob(job_id, key, [5], {"max_tokens": 4}, 4)
+                               for key, job_id in job_ids.items()])
+    publish(make_celery(harness.settings), [message])
+    return list(job_ids.values())
+
+
 def test_an_engine_request_that_raises_fails_only_its_job(harness: Harness) -> None:
     client = harness.client
     good = _burst(client, 8, seed=101)
     # A job whose prompt holds a token the model does not have: the engine refuses it.
-    bad_id = uuid.uuid4().hex
-    store = Store(harness.settings.resolved_database_url)
-    store.record_submitted(
-        [{"key": "f" * 32, "text_zst": b"", "tokens_zst": pack_tokens([1, 2, 10_000_000]),
-          "tokens": 3, "created_at": utcnow()}],
-        [{"id": bad_id, "document_key": "f" * 32, "question": "?", "sampling": {},
-          "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
-          "submitted_at": utcnow(), "redis_epoch": redis.Redis.from_url(
-              harness.settings.redis_url).get("jobsvc:epoch").decode()}])
-    store.dispose()
-    message = BatchMessage(0, [QueuedJob(bad_id, "f" * 32, [5], {"max_tokens": 4}, 4)])
-    publish(make_celery(harness.settings), [message])
+    (bad_id,) = _enqueue_by_hand(harness, {"f" * 32: (b"", pack_tokens([1, 2, 10_000_000]))})
     row = _tally(harness, "engine request raises", [*good, bad_id])
     assert row["lost"] == 0 and row["duplicated"] == 0
     assert row["failed"] == 1 and row["succeeded"] == len(good)
     assert client.get(bad_id).error
+
+
+def test_a_job_whose_document_does_not_read_back_fails_and_its_batch_runs(
+        harness: Harness) -> None:
+    readable, unreadable = "a" * 32, "b" * 32
+    good_id, bad_id = _enqueue_by_hand(harness, {
+        readable: (compress(b"text"), pack_tokens([7, 8, 9])),
+        unreadable: (b"not a text frame", b"not a token frame")})
+    row = _tally(harness, "document does not read back", [good_id, bad_id])
+    assert row["lost"] == 0 and row["duplicated"] == 0
+    assert row["failed"] == 1 and row["succeeded"] == 1
+    record = harness.client.get(bad_id)
+    assert record.status is JobStatus.FAILED
+    assert f"document {unreadable} does not read back" in (record.error or "")
 
 
 def test_cancelled_while_queued_never_runs_and_while_running_is_aborted(

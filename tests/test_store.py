@@ -121,13 +121,15 @@ def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_a
         assert "does not read back" in (records[name].error or "")
 
 
-def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) -> None:
-    stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage"}
+def test_job_documents_are_the_recorded_tokens_or_else_the_text_or_else_none(
+        store: Store) -> None:
+    stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage",
+              "nothing": b"garbage"}
     documents = {name: uuid.uuid4().hex for name in stored}
     jobs = {name: uuid.uuid4().hex for name in [*stored, "tokens-again"]}
     store.record_submitted(
-        [{"key": documents[name], "text_zst": compress(f"text of {name}".encode()),
-          "tokens_zst": tokens_zst, "tokens": 3, "created_at": utcnow()}
+        [{"key": documents[name], "tokens_zst": tokens_zst, "tokens": 3, "created_at": utcnow(),
+          "text_zst": b"garbage" if name == "nothing" else compress(f"text of {name}".encode())}
          for name, tokens_zst in stored.items()],
         [{"id": job_id, "document_key": documents[name.removesuffix("-again")],
           "question": "q", "sampling": {}, "shard": 0, "status": "queued", "prompt_tokens": 4,
@@ -135,7 +137,8 @@ def test_job_documents_are_the_recorded_tokens_or_else_the_text(store: Store) ->
          for name, job_id in jobs.items()])
     assert store.job_documents([*jobs.values(), uuid.uuid4().hex]) == {
         jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
-        jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
+        jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable",
+        jobs["nothing"]: None}
 
 
 def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve(

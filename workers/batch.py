@@ -5,6 +5,7 @@ committed."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -54,8 +55,8 @@ class BatchRunner:
         if skipped:
             log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
-        jobs = [job for job in message.jobs if job.job_id in runnable]
-        requests, checks = self._requests(jobs)
+        jobs, requests, checks = self._requests(
+            message.shard, [job for job in message.jobs if job.job_id in runnable])
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
@@ -90,23 +91,44 @@ class BatchRunner:
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
 
-    def _requests(self, jobs: Sequence[QueuedJob]
-                  ) -> tuple[list[EngineRequest], dict[str, CacheCheck]]:
-        """The engine requests of these jobs, and what each one's cache hit is checked
-        against. The documents' token lists are dropped on return: kept for the whole batch,
-        they would be walked element by element at every collection that met them."""
-        documents = self._documents(jobs)
+    def _requests(self, shard: int, claimed: Sequence[QueuedJob]
+                  ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
+        """The jobs that can run, their engine requests, and what each one's cache hit is
+        checked against; jobs whose documents do not read back end failed here. The
+        documents' token lists are dropped on return: kept for the whole batch, they would
+        be walked element by element at every collection that met them."""
+        documents = self._documents(claimed)
+        unreadable = [job for job in claimed if job.job_id not in documents]
+        if unreadable:
+            self._fail_unreadable(shard, unreadable)
+        jobs = [job for job in claimed if job.job_id in documents]
         requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
                                   job.sampling) for job in jobs]
         checks = {request.job_id: CacheCheck(
             len(request.prompt_token_ids) - job.estimated_prefill,
             len(documents[job.job_id]))
             for job, request in zip(jobs, requests, strict=True)}
-        return requests, checks
+        return jobs, requests, checks
+
+    def _fail_unreadable(self, shard: int, jobs: Sequence[QueuedJob]) -> None:
+        """End jobs whose documents do not read back: no delivery can run them, and left
+        claimed they would stay running for good once their message is acknowledged."""
+        by_document: dict[str, list[str]] = {}
+        for job in jobs:
+            by_document.setdefault(job.document_key, []).append(job.job_id)
+        for key, job_ids in by_document.items():
+            reason = (f"its document {key} does not read back from the database (neither "
+                      "its tokens nor its text); submit it again")
+            self._retrying(f"fail {len(job_ids)} jobs",
+                           functools.partial(self._store.fail, job_ids, reason))
+        log.error("shard %d failed %d jobs whose documents do not read back",
+                  self.shard, len(jobs))
+        self._recorder.release_load(shard, sum(job.estimated_prefill for job in jobs))
 
     def _documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
         """Each job's document tokens, by job ID, from the store (messages do not carry
-        documents); a document stored without tokens is tokenized here as the producer did."""
+        documents); a document stored without tokens is tokenized here as the producer did.
+        A job whose document does not read back is left out."""
         if not jobs:
             return {}
         stored = self._retrying(f"read the documents of {len(jobs)} jobs",
@@ -114,7 +136,7 @@ class BatchRunner:
         texts = list(dict.fromkeys(doc for doc in stored.values() if isinstance(doc, str)))
         tokenized = dict(zip(texts, self._prompts.documents(texts), strict=True))
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
-                for job_id, doc in stored.items()}
+                for job_id, doc in stored.items() if doc is not None}
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

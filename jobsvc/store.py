@@ -41,7 +41,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
-from jobsvc.schema import JobStatus
+from jobsvc.schema import FINISHED_STATUSES, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,16 @@ def make_engine(database_url: str) -> Engine:
 
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_FINISHED = sorted(status.value for status in FINISHED_STATUSES)
+
+
+def _unfinished(status: Any) -> ColumnElement[bool]:
+    """The status test of statements that pick jobs by ID. With `status IN (queued,
+    running)` the planner may also walk the status index: every active entry and, until a
+    vacuum, every once-active one (two per finished job). On a never-analysed table of 15k
+    jobs that took a 32-job claim 1.8 ms against 0.3 ms by primary key alone. `NOT IN` the
+    finished statuses, which no index serves, leaves the lookup by key."""
+    return status.not_in(_FINISHED)
 
 # A gathering's outcomes in one statement on PostgreSQL: the jobs still active take theirs,
 # and those that succeeded get their result rows, all from arrays. Row by row (one UPDATE and
@@ -207,7 +217,7 @@ WITH finished AS (
     FROM unnest(CAST(:ids AS varchar[]), CAST(:statuses AS varchar[]),
                 CAST(:errors AS text[]), CAST(:finished_at AS timestamptz[]))
          AS o (id, status, error, finished_at)
-    WHERE jobs.id = o.id AND jobs.status = ANY(CAST(:active AS varchar[]))
+    WHERE jobs.id = o.id AND jobs.status <> ALL(CAST(:finished AS varchar[]))
     RETURNING jobs.id)
 INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, created_at)
 SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, :recorded_at
@@ -226,7 +236,7 @@ def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOu
         "statuses": [o.status.value for o in outcomes],
         "errors": [o.error for o in outcomes],
         "finished_at": [o.finished_at for o in outcomes],
-        "active": list(_ACTIVE),
+        "finished": _FINISHED,
         "recorded_at": utcnow(),
         "result_ids": [o.job_id for o in succeeded],
         "answers": [compression.compress((o.answer or "").encode()) for o in succeeded],
@@ -273,7 +283,7 @@ class Store:
         with self.engine.begin() as connection:
             claimed = connection.execute(
                 update(Job)
-                .where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))
+                .where(self._among(Job.id, job_ids), _unfinished(Job.status))
                 .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker,
                         attempts=Job.attempts + 1)
                 .returning(Job.id, Job.attempts)
@@ -292,7 +302,7 @@ class Store:
 
     def _fail(self, connection: Connection, job_ids: Sequence[str], reason: str) -> None:
         connection.execute(
-            update(Job).where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))
+            update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
             .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason))
 
     def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
@@ -379,7 +389,7 @@ class Store:
         active = set(connection.execute(
             select(job.c.id)
             .where(self._among(job.c.id, [o.job_id for o in outcomes]),
-                   job.c.status.in_(_ACTIVE))).scalars())
+                   _unfinished(job.c.status))).scalars())
         outcomes = [o for o in outcomes if o.job_id in active]
         if not outcomes:
             return
@@ -401,7 +411,7 @@ class Store:
         """Cancel a job that has not finished; False if it had already ended."""
         with self.engine.begin() as connection:
             changed = connection.execute(
-                update(Job).where(Job.id == job_id, Job.status.in_(_ACTIVE))
+                update(Job).where(Job.id == job_id, _unfinished(Job.status))
                 .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())
             ).rowcount
             if changed:
@@ -440,7 +450,7 @@ class Store:
         with self.engine.connect() as connection:
             return connection.execute(
                 select(func.count()).select_from(Job)
-                .where(self._among(Job.id, job_ids), Job.status.in_(_ACTIVE))).scalar_one()
+                .where(self._among(Job.id, job_ids), _unfinished(Job.status))).scalar_one()
 
     def totals(self) -> dict[str, Any]:
         """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""

@@ -251,6 +251,18 @@ class Store:
     def __init__(self, database_url: str) -> None:
         self.engine = make_engine(database_url)
         self._dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+        # A worker's statements for every batch, built once: building and keying a statement
+        # cost more of its CPU than sending it.
+        self._claim = (
+            update(Job)
+            .where(self._among_listed(Job.id, "job_ids"), _unfinished(Job.status))
+            .values(status=JobStatus.RUNNING.value, started_at=bindparam("now"),
+                    worker=bindparam("worker"), attempts=Job.attempts + 1)
+            .returning(Job.id, Job.attempts, Job.document_key))
+        self._document_tokens = select(Document.key, Document.tokens_zst).where(
+            self._among_listed(Document.key, "keys"))
+        self._document_texts = select(Document.key, Document.text_zst).where(
+            self._among_listed(Document.key, "keys"))
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -265,6 +277,12 @@ class Store:
             return column == any_(literal(list(values), postgresql.ARRAY(String)))
         return column.in_(list(values))
 
+    def _among_listed(self, column: Any, name: str) -> ColumnElement[bool]:
+        """`_among` for a statement built once: the list is bound as parameter `name`."""
+        if self._dialect is postgresql:
+            return column == any_(bindparam(name, type_=postgresql.ARRAY(String)))
+        return column.in_(bindparam(name, expanding=True))
+
     def record_submitted(self, documents: Sequence[dict[str, Any]],
                          jobs: Sequence[dict[str, Any]]) -> None:
         """Record new documents (once each) and jobs in one transaction."""
@@ -274,26 +292,44 @@ class Store:
                                    list(documents))
             connection.execute(Job.__table__.insert(), list(jobs))
 
-    def claim_for_running(self, job_ids: Sequence[str], worker: str,
-                          max_attempts: int) -> set[str]:
-        """Mark jobs running and return those that may run: queued ones, and running ones whose
-        earlier delivery never finished. Cancelled or finished jobs are left as they are; a
-        job delivered more than `max_attempts` times ends failed instead of running again."""
-        now = utcnow()
+    def claim_batch(self, job_ids: Sequence[str], worker: str, max_attempts: int
+                    ) -> dict[str, list[int] | str | None]:
+        """Mark a batch's jobs running and read what they run on, in one transaction. Returns
+        the jobs that may run (queued ones, and running ones whose earlier delivery never
+        finished) with their documents: the recorded tokens or, where none read back, the
+        text to tokenize; None where neither reads back. Cancelled or finished jobs are left
+        as they are; a job delivered more than `max_attempts` times ends failed instead.
+        The job's own record, not the key a queue message names, decides its document; a
+        batch asks several questions of each, so each is read once."""
         with self.engine.begin() as connection:
-            claimed = connection.execute(
-                update(Job)
-                .where(self._among(Job.id, job_ids), _unfinished(Job.status))
-                .values(status=JobStatus.RUNNING.value, started_at=now, worker=worker,
-                        attempts=Job.attempts + 1)
-                .returning(Job.id, Job.attempts)
-            ).all()
-            exhausted = [job_id for job_id, attempts in claimed if attempts > max_attempts]
+            claimed = connection.execute(self._claim, {
+                "job_ids": list(job_ids), "now": utcnow(), "worker": worker}).all()
+            exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
                 self._fail(connection, exhausted,
                            f"gave up after {max_attempts} deliveries: the worker running this "
                            "job stopped each time before it finished")
-            return {job_id for job_id, attempts in claimed if attempts <= max_attempts}
+            runnable = {row.id: row.document_key for row in claimed
+                        if row.attempts <= max_attempts}
+            documents = self._documents(connection, set(runnable.values()))
+        return {job_id: documents[key] for job_id, key in runnable.items()}
+
+    def _documents(self, connection: Connection, keys: set[str]
+                   ) -> dict[str, list[int] | str | None]:
+        """Each document's tokens, else its text, else None; its text only where needed."""
+        if not keys:
+            return {}
+        documents: dict[str, list[int] | str | None] = {}
+        for key, tokens_zst in connection.execute(self._document_tokens, {"keys": list(keys)}):
+            tokens = _readable_tokens(key, tokens_zst)
+            if tokens is not None:
+                documents[key] = tokens
+        untokenized = list(keys - documents.keys())
+        if untokenized:
+            for key, text_zst in connection.execute(self._document_texts,
+                                                    {"keys": untokenized}):
+                documents[key] = _readable_text(key, text_zst)
+        return documents
 
     def fail(self, job_ids: Sequence[str], reason: str) -> None:
         """End these jobs failed with `reason`, unless they have already ended."""
@@ -321,31 +357,6 @@ class Store:
             rows = connection.execute(query).all()
         return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
                  "document": _readable_text(row.key, row.text_zst)} for row in rows]
-
-    def job_documents(self, job_ids: Sequence[str]) -> dict[str, list[int] | str | None]:
-        """Each job's document by job ID: its recorded tokens or, where there are none that
-        read back, its text to tokenize; None where neither reads back, so that such a job
-        fails alone. The job's own record, not the key a queue message names, decides which
-        document it is. A batch asks several questions of each document, so each distinct
-        document is read once, and its text only where it is needed."""
-        with self.engine.connect() as connection:
-            keys: dict[str, str] = dict(connection.execute(
-                select(Job.id, Job.document_key).where(self._among(Job.id, job_ids))).all())
-            distinct = set(keys.values())
-            documents: dict[str, list[int] | str | None] = {}
-            for key, tokens_zst in connection.execute(
-                    select(Document.key, Document.tokens_zst)
-                    .where(self._among(Document.key, list(distinct)))):
-                tokens = _readable_tokens(key, tokens_zst)
-                if tokens is not None:
-                    documents[key] = tokens
-            untokenized = list(distinct - documents.keys())
-            if untokenized:
-                for key, text_zst in connection.execute(
-                        select(Document.key, Document.text_zst)
-                        .where(self._among(Document.key, untokenized))):
-                    documents[key] = _readable_text(key, text_zst)
-        return {job_id: documents[key] for job_id, key in keys.items()}
 
     def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:
         job = Job.__table__

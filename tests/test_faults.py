@@ -267,10 +267,12 @@ def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
     ids = _burst(client, 64, seed=106, max_tokens=48)
     _wait_until_finished(client, ids, 2)
     worker = harness.workers.processes[0]
+    # Only this worker's engine processes: other workers of the test run keep theirs.
+    engine_processes = psutil.Process(worker.pid).children(recursive=True)
     os.kill(_engine_core(harness).pid, signal.SIGKILL)
     assert worker.wait(timeout=60) != 0
-    for leftover in psutil.Process().children(recursive=True):
-        if "VLLM" in leftover.name():
+    for leftover in engine_processes:
+        if leftover.is_running():
             leftover.kill()
     harness.workers.processes.clear()
     harness.workers.start()

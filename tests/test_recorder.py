@@ -43,7 +43,7 @@ def _finish(recorder: ResultRecorder, job_id: str, completion: Completion) -> No
 
 def _claimed(store: Store, queued_job: Callable[[], str], count: int) -> list[str]:
     job_ids = [queued_job() for _ in range(count)]
-    store.claim_for_running(job_ids, "w", max_attempts=3)
+    store.claim_batch(job_ids, "w", max_attempts=3)
     return job_ids
 
 

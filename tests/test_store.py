@@ -26,8 +26,8 @@ def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reaso
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
     for _ in range(3):
-        assert store.claim_for_running([job_id], "w", max_attempts=3) == {job_id}
-    assert store.claim_for_running([job_id], "w", max_attempts=3) == set()
+        assert set(store.claim_batch([job_id], "w", max_attempts=3)) == {job_id}
+    assert store.claim_batch([job_id], "w", max_attempts=3) == {}
     record = store.get_many([job_id])[job_id]
     assert record.status is JobStatus.FAILED
     assert "gave up after 3 deliveries" in (record.error or "")
@@ -61,13 +61,13 @@ def test_statements_on_listed_jobs_look_them_up_by_key_not_by_status(
     # Finished jobs leave entries in the status index until a vacuum; with a few hundred of
     # them the planner took to walking that index for a batch's claims and outcomes.
     history = [queued_job() for _ in range(500)]
-    store.claim_for_running(history, "w", max_attempts=3)
+    store.claim_batch(history, "w", max_attempts=3)
     store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())
                            for job_id in history])
     job_ids = [queued_job() for _ in range(64)]
     batch = job_ids[:32]
     outcomes = [JobOutcome(job_id, "answer", None, 1, 0, utcnow()) for job_id in batch]
-    plans = [*_plans(store, lambda: store.claim_for_running(batch, "w", max_attempts=3)),
+    plans = [*_plans(store, lambda: store.claim_batch(batch, "w", max_attempts=3)),
              *_plans(store, lambda: store.record_outcomes(outcomes)),
              *_plans(store, lambda: store.count_unfinished(batch)),
              *_plans(store, lambda: store.cancel(job_ids[-1]))]
@@ -78,7 +78,7 @@ def test_statements_on_listed_jobs_look_them_up_by_key_not_by_status(
 def test_a_second_outcome_for_a_finished_job_changes_nothing(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_for_running([job_id], "w", max_attempts=3)
+    store.claim_batch([job_id], "w", max_attempts=3)
     first = JobOutcome(job_id, "first answer", None, 3, 0, utcnow())
     store.record_outcomes([first])
     store.record_outcomes([JobOutcome(job_id, "second answer", None, 5, 0, utcnow()),
@@ -91,7 +91,7 @@ def test_a_second_outcome_for_a_finished_job_changes_nothing(
 def test_a_result_records_when_it_was_written_beside_when_the_engine_finished(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_for_running([job_id], "w", max_attempts=3)
+    store.claim_batch([job_id], "w", max_attempts=3)
     engine_finished = utcnow() - timedelta(minutes=1)
     before = utcnow()
     store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, engine_finished)])
@@ -110,7 +110,7 @@ def _batch_stats(worker: str, jobs: int) -> dict[str, Any]:
 def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_for_running([job_id], "w", max_attempts=3)
+    store.claim_batch([job_id], "w", max_attempts=3)
     outcome = JobOutcome(job_id, "answer", None, 2, 0, utcnow())
     unwritable = {**_batch_stats("w", 1), "jobs": None}
     with pytest.raises(IntegrityError):
@@ -163,7 +163,7 @@ def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_a
         assert "does not read back" in (records[name].error or "")
 
 
-def test_job_documents_are_the_recorded_tokens_or_else_the_text_or_else_none(
+def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_none(
         store: Store) -> None:
     stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage",
               "nothing": b"garbage"}
@@ -177,7 +177,7 @@ def test_job_documents_are_the_recorded_tokens_or_else_the_text_or_else_none(
           "question": "q", "sampling": {}, "shard": 0, "status": "queued", "prompt_tokens": 4,
           "estimated_prefill": 4, "submitted_at": utcnow(), "redis_epoch": "e"}
          for name, job_id in jobs.items()])
-    assert store.job_documents([*jobs.values(), uuid.uuid4().hex]) == {
+    assert store.claim_batch([*jobs.values(), uuid.uuid4().hex], "w", max_attempts=3) == {
         jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable",
         jobs["nothing"]: None}
@@ -202,7 +202,7 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
 
     event.listen(store.engine, "after_cursor_execute", count_document_rows)
     try:
-        read = store.job_documents(list(jobs))
+        read = store.claim_batch(list(jobs), "w", max_attempts=3)
     finally:
         event.remove(store.engine, "after_cursor_execute", count_document_rows)
     assert read == {job_id: documents[key] for job_id, key in jobs.items()}
@@ -224,12 +224,11 @@ def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(
     # PostgreSQL takes the IDs as one array parameter, SQLite as an IN list.
     for repository in (store, embedded):
         ids = [record_queued_job(repository) for _ in range(3)]
-        assert repository.claim_for_running(ids[:2], "w", max_attempts=3) == set(ids[:2])
+        assert set(repository.claim_batch(ids[:2], "w", max_attempts=3)) == set(ids[:2])
         repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
         assert repository.statuses([*ids, "unknown"]) == {
             ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING, ids[2]: JobStatus.QUEUED}
         assert repository.count_unfinished(ids) == 2
-        assert set(repository.job_documents(ids)) == set(ids)
         assert repository.get_many(ids)[ids[0]].answer == "answer"
         repository.forget_submitted(ids[2:])
         assert set(repository.statuses(ids)) == set(ids[:2])
@@ -240,7 +239,7 @@ def test_a_job_that_ends_twice_in_one_gathering_keeps_its_first_ending_on_both_d
     # PostgreSQL records a gathering in one statement from arrays, SQLite row by row.
     for repository in (store, embedded):
         answered, failed = (record_queued_job(repository) for _ in range(2))
-        repository.claim_for_running([answered, failed], "w", max_attempts=3)
+        repository.claim_batch([answered, failed], "w", max_attempts=3)
         repository.record_outcomes([
             JobOutcome(answered, "first", None, 2, 0, utcnow()),
             JobOutcome(failed, None, "engine error", 0, 0, utcnow()),

@@ -48,15 +48,7 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
-        job_ids = [job.job_id for job in message.jobs]
-        runnable = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
-            self._store.claim_for_running(job_ids, self.worker_name, self.max_attempts)))
-        skipped = [job for job in message.jobs if job.job_id not in runnable]
-        if skipped:
-            log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
-            self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
-        jobs, requests, checks = self._requests(
-            message.shard, [job for job in message.jobs if job.job_id in runnable])
+        jobs, requests, checks = self._claim(message)
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
@@ -76,7 +68,7 @@ class BatchRunner:
         completion.wait()
         if results:
             self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
-        return {"jobs": len(jobs), "skipped": len(skipped)}
+        return {"jobs": len(jobs), "skipped": len(message.jobs) - len(jobs)}
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """Wait out a database outage: the message stays unacknowledged (and its lease
@@ -91,17 +83,23 @@ class BatchRunner:
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
 
-    def _requests(self, shard: int, claimed: Sequence[QueuedJob]
-                  ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
-        """The jobs that can run, their engine requests, and what each one's cache hit is
-        checked against; jobs whose documents do not read back end failed here. The
-        documents' token lists are dropped on return: kept for the whole batch, they would
-        be walked element by element at every collection that met them."""
-        documents = self._documents(claimed)
-        unreadable = [job for job in claimed if job.job_id not in documents]
+    def _claim(self, message: BatchMessage
+               ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
+        """Claim the message's jobs; return those that run, their engine requests, and what
+        each one's cache hit is checked against. Cancelled and finished jobs are skipped,
+        jobs whose documents do not read back end failed. The documents' token lists are
+        dropped on return: kept for the whole batch, they would be walked element by element
+        at every collection that met them."""
+        documents = self._claimed_documents(message.jobs)
+        skipped = [job for job in message.jobs if job.job_id not in documents]
+        if skipped:
+            log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
+            self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
+        unreadable = [job for job in message.jobs
+                      if job.job_id in documents and documents[job.job_id] is None]
         if unreadable:
-            self._fail_unreadable(shard, unreadable)
-        jobs = [job for job in claimed if job.job_id in documents]
+            self._fail_unreadable(message.shard, unreadable)
+        jobs = [job for job in message.jobs if documents.get(job.job_id) is not None]
         requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
                                   job.sampling) for job in jobs]
         checks = {request.job_id: CacheCheck(
@@ -125,18 +123,17 @@ class BatchRunner:
                   self.shard, len(jobs))
         self._recorder.release_load(shard, sum(job.estimated_prefill for job in jobs))
 
-    def _documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
-        """Each job's document tokens, by job ID, from the store (messages do not carry
-        documents); a document stored without tokens is tokenized here as the producer did.
-        A job whose document does not read back is left out."""
-        if not jobs:
-            return {}
-        stored = self._retrying(f"read the documents of {len(jobs)} jobs",
-                                lambda: self._store.job_documents([job.job_id for job in jobs]))
+    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int] | None]:
+        """Claim these jobs; the document tokens of those that may run, by job ID, from the
+        store (messages do not carry documents), None where the document does not read back.
+        A document stored without tokens is tokenized here as the producer did."""
+        job_ids = [job.job_id for job in jobs]
+        stored = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
+            self._store.claim_batch(job_ids, self.worker_name, self.max_attempts)))
         texts = list(dict.fromkeys(doc for doc in stored.values() if isinstance(doc, str)))
         tokenized = dict(zip(texts, self._prompts.documents(texts), strict=True))
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
-                for job_id, doc in stored.items() if doc is not None}
+                for job_id, doc in stored.items()}
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

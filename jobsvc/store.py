@@ -293,14 +293,15 @@ class Store:
             connection.execute(Job.__table__.insert(), list(jobs))
 
     def claim_batch(self, job_ids: Sequence[str], worker: str, max_attempts: int
-                    ) -> dict[str, list[int] | str | None]:
+                    ) -> dict[str, list[int] | str]:
         """Mark a batch's jobs running and read what they run on, in one transaction. Returns
         the jobs that may run (queued ones, and running ones whose earlier delivery never
         finished) with their documents: the recorded tokens or, where none read back, the
-        text to tokenize; None where neither reads back. Cancelled or finished jobs are left
-        as they are; a job delivered more than `max_attempts` times ends failed instead.
-        The job's own record, not the key a queue message names, decides its document; a
-        batch asks several questions of each, so each is read once."""
+        text to tokenize. Cancelled or finished jobs are left as they are. A job delivered
+        more than `max_attempts` times ends failed instead, and so does one whose document
+        reads back as neither (no delivery could run it). The job's own record, not the key
+        a queue message names, decides its document; a batch asks several questions of each,
+        so each is read once."""
         with self.engine.begin() as connection:
             claimed = connection.execute(self._claim, {
                 "job_ids": list(job_ids), "now": utcnow(), "worker": worker}).all()
@@ -312,7 +313,14 @@ class Store:
             runnable = {row.id: row.document_key for row in claimed
                         if row.attempts <= max_attempts}
             documents = self._documents(connection, set(runnable.values()))
-        return {job_id: documents[key] for job_id, key in runnable.items()}
+            for key, document in documents.items():
+                if document is None:
+                    self._fail(connection, [job_id for job_id, job_key in runnable.items()
+                                            if job_key == key],
+                               f"its document {key} does not read back from the database "
+                               "(neither its tokens nor its text); submit it again")
+        return {job_id: document for job_id, key in runnable.items()
+                if (document := documents[key]) is not None}
 
     def _documents(self, connection: Connection, keys: set[str]
                    ) -> dict[str, list[int] | str | None]:

@@ -163,7 +163,7 @@ def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_a
         assert "does not read back" in (records[name].error or "")
 
 
-def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_none(
+def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fails(
         store: Store) -> None:
     stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage",
               "nothing": b"garbage"}
@@ -179,8 +179,10 @@ def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_no
          for name, job_id in jobs.items()])
     assert store.claim_batch([*jobs.values(), uuid.uuid4().hex], "w", max_attempts=3) == {
         jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
-        jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable",
-        jobs["nothing"]: None}
+        jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
+    record = store.get_many([jobs["nothing"]])[jobs["nothing"]]
+    assert record.status is JobStatus.FAILED
+    assert f"document {documents['nothing']} does not read back" in (record.error or "")
 
 
 def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve(

@@ -5,7 +5,6 @@ committed."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -86,20 +85,17 @@ class BatchRunner:
     def _claim(self, message: BatchMessage
                ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
         """Claim the message's jobs; return those that run, their engine requests, and what
-        each one's cache hit is checked against. Cancelled and finished jobs are skipped,
-        jobs whose documents do not read back end failed. The documents' token lists are
-        dropped on return: kept for the whole batch, they would be walked element by element
-        at every collection that met them."""
+        each one's cache hit is checked against. Jobs that will not run (cancelled, finished,
+        or failed by the claim) are skipped. The documents' token lists are dropped on
+        return: kept for the whole batch, they would be walked element by element at every
+        collection that met them."""
         documents = self._claimed_documents(message.jobs)
         skipped = [job for job in message.jobs if job.job_id not in documents]
         if skipped:
-            log.info("shard %d skips %d cancelled or finished jobs", self.shard, len(skipped))
+            log.info("shard %d skips %d jobs that will not run (cancelled, finished, or "
+                     "failed at their claim)", self.shard, len(skipped))
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
-        unreadable = [job for job in message.jobs
-                      if job.job_id in documents and documents[job.job_id] is None]
-        if unreadable:
-            self._fail_unreadable(message.shard, unreadable)
-        jobs = [job for job in message.jobs if documents.get(job.job_id) is not None]
+        jobs = [job for job in message.jobs if job.job_id in documents]
         requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
                                   job.sampling) for job in jobs]
         checks = {request.job_id: CacheCheck(
@@ -108,25 +104,10 @@ class BatchRunner:
             for job, request in zip(jobs, requests, strict=True)}
         return jobs, requests, checks
 
-    def _fail_unreadable(self, shard: int, jobs: Sequence[QueuedJob]) -> None:
-        """End jobs whose documents do not read back: no delivery can run them, and left
-        claimed they would stay running for good once their message is acknowledged."""
-        by_document: dict[str, list[str]] = {}
-        for job in jobs:
-            by_document.setdefault(job.document_key, []).append(job.job_id)
-        for key, job_ids in by_document.items():
-            reason = (f"its document {key} does not read back from the database (neither "
-                      "its tokens nor its text); submit it again")
-            self._retrying(f"fail {len(job_ids)} jobs",
-                           functools.partial(self._store.fail, job_ids, reason))
-        log.error("shard %d failed %d jobs whose documents do not read back",
-                  self.shard, len(jobs))
-        self._recorder.release_load(shard, sum(job.estimated_prefill for job in jobs))
-
-    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int] | None]:
+    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
         """Claim these jobs; the document tokens of those that may run, by job ID, from the
-        store (messages do not carry documents), None where the document does not read back.
-        A document stored without tokens is tokenized here as the producer did."""
+        store (messages do not carry documents). A document stored without tokens is
+        tokenized here as the producer did."""
         job_ids = [job.job_id for job in jobs]
         stored = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
             self._store.claim_batch(job_ids, self.worker_name, self.max_attempts)))

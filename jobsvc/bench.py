@@ -282,7 +282,8 @@ class _Bench:
             raise RuntimeError(f"standalone burst failed on a worker: {failed[0]}")
         runs = [StandaloneRun(**reply) for reply in replies]
         return StandaloneRun(
-            started=min(run.started for run in runs), finished=max(run.finished for run in runs),
+            started=min(run.started for run in runs), admitted=min(run.admitted for run in runs),
+            finished=max(run.finished for run in runs),
             **{part: sum(getattr(run, part) for run in runs)
                for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
@@ -362,8 +363,11 @@ class _Bench:
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
+        first_claim = min((_timestamp(r.started_at) for r in records if r.started_at),
+                          default=finished)
         return ArmResult(len(ids), finished - started,
-                         sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal)
+                         sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
+                         head_seconds=first_claim - started)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -387,7 +391,8 @@ class _Bench:
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
-        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal)
+        return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
+                         head_seconds=run.head_seconds)
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -522,6 +527,8 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
                 outside_engine_ms_per_job_by_role([pair.service]),
             "standalone_steal_s": pair.standalone.steal_seconds,
             "service_steal_s": pair.service.steal_seconds,
+            "standalone_head_ms": pair.standalone.head_seconds * 1000,
+            "service_head_ms": pair.service.head_seconds * 1000,
         } for pair in pairs],
     }
     if options.json_path:

@@ -82,6 +82,10 @@ class ArmResult:
     cpu_by_role: Mapping[str, float]
     # CPU time stolen by the hypervisor while the arm ran (0 on bare metal).
     steal_seconds: float = 0.0
+    # From the arm's start to its first job handed to an engine: the burst's head, when the
+    # engines wait for tokenizing (both arms) and for recording, publishing and claiming
+    # (the service only).
+    head_seconds: float = 0.0
 
     @property
     def cpu_seconds(self) -> float:
@@ -145,6 +149,13 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]
         # neither arm's CPU accounting sees.
         "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
         "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
+        # The median head of each arm's bursts, and the service's extra head as a share of
+        # its median burst: the engines idle for that long while the burst is already timed.
+        "head_ms": {arm: median([getattr(pair, arm).head_seconds * 1000 for pair in pairs])
+                    for arm in ("standalone", "service")},
+        "extra_head_share": median([
+            (pair.service.head_seconds - pair.standalone.head_seconds) / pair.service.seconds
+            for pair in pairs]),
         # Where each arm's CPU outside the engine went, in milliseconds per job.
         "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
         "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),

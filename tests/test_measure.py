@@ -89,6 +89,19 @@ def test_steal_is_read_from_the_aggregate_cpu_line_and_summed_per_arm() -> None:
     assert summary["service_steal_seconds_per_job"] == pytest.approx(0.008)
 
 
+def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_burst() -> None:
+    def headed(seconds: float, head: float) -> ArmResult:
+        return replace(_arm(100, seconds, 20.0), head_seconds=head)
+
+    pairs = [Pair(headed(10.0, 0.08), headed(10.0, 0.13), False),
+             Pair(headed(10.0, 0.09), headed(5.0, 0.12), True),
+             Pair(headed(10.0, 0.20), headed(10.0, 0.20), False)]
+    summary = summarize_pairs(pairs)
+    assert summary["head_ms"] == pytest.approx({"standalone": 90.0, "service": 130.0})
+    # Per pair 0.005, 0.006 and 0: the median of the shares, not a share of the medians.
+    assert summary["extra_head_share"] == pytest.approx(0.005)
+
+
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:
     jobs = [("a", 300, 310), ("b", 100, 110), ("a", 300, 305), ("a", 300, 305)]
     assert ideal_hit_rate(jobs, block_size=128) == pytest.approx(2 * 256 / 1030)

@@ -37,6 +37,8 @@ class StandaloneRun:
     # Wall-clock moments (time.time()), so that bursts run by several processes at once can be
     # joined into one: from the earliest start to the latest finish.
     started: float
+    # When the first request went to the engine, after tokenizing.
+    admitted: float
     finished: float
     output_tokens: int
     prompt_tokens: int
@@ -45,6 +47,10 @@ class StandaloneRun:
     @property
     def seconds(self) -> float:
         return self.finished - self.started
+
+    @property
+    def head_seconds(self) -> float:
+        return self.admitted - self.started
 
 
 class StandaloneEngines:
@@ -92,6 +98,7 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
     started = time.time()
     prompts_by_engine = [list(zip(_tokenize(prompts, jobs), (job[2] for job in jobs),
                                   strict=True)) for jobs in jobs_by_engine]
+    admitted = time.time()
     futures = [adapter.schedule(
                    lambda engine, engine_prompts=engine_prompts, tag=f"sa{burst}-{index}":
                    _burst(engine, engine_prompts, mode, in_flight, tag))
@@ -100,7 +107,7 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
     outputs = [output for future in futures for output in future.result()]
     finished = time.time()
     return StandaloneRun(
-        started=started, finished=finished,
+        started=started, admitted=admitted, finished=finished,
         output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
         prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
         cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))

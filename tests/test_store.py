@@ -18,7 +18,7 @@ from jobsvc.compression import compress, pack_tokens
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
-from jobsvc.store import BatchStat, JobOutcome, Store, utcnow
+from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
 from tests.conftest import record_queued_job, recreate_database
 
 
@@ -252,3 +252,34 @@ def test_a_job_that_ends_twice_in_one_gathering_keeps_its_first_ending_on_both_d
                 records[answered].error) == (JobStatus.SUCCEEDED, "first", None)
         assert (records[failed].status, records[failed].answer,
                 records[failed].error) == (JobStatus.FAILED, None, "engine error")
+
+
+def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlite(
+        store: Store, embedded: Store) -> None:
+    # PostgreSQL takes a submit's jobs by COPY, SQLite by INSERT: text with the characters
+    # COPY escapes, nested sampling settings and the timestamp must read back unchanged.
+    submitted = utcnow()
+    columns = ("id", "document_key", "question", "sampling", "shard", "status",
+               "prompt_tokens", "estimated_prefill", "submitted_at", "redis_epoch")
+    for repository in (store, embedded):
+        key = uuid.uuid4().hex
+        jobs = [{"id": uuid.uuid4().hex, "document_key": key, "question": question,
+                 "sampling": sampling, "shard": shard, "status": "queued",
+                 "prompt_tokens": 10 + shard, "estimated_prefill": 5, "submitted_at": submitted,
+                 "redis_epoch": epoch}
+                for question, sampling, shard, epoch in [
+                    ("tab\there, newline\nthere, back\\slash and \\N", {"stop": ["\n", "\\."]}, 0,
+                     "e1"),
+                    ("Ünïcødé — ✓", {"max_tokens": 4, "temperature": 0.5, "ignore_eos": True}, 1,
+                     None)]]
+        repository.record_submitted(
+            [{"key": key, "text_zst": b"", "tokens": 1, "created_at": submitted}], jobs)
+        with repository.engine.connect() as connection:
+            rows = connection.execute(select(*(Job.__table__.c[c] for c in columns))
+                                      .where(Job.document_key == key).order_by(Job.shard)).all()
+        read = [dict(zip(columns, row, strict=True)) for row in rows]
+        for row in read:
+            row["submitted_at"] = row["submitted_at"].replace(tzinfo=submitted.tzinfo)
+        assert read == jobs
+        assert repository.statuses([job["id"] for job in jobs]) == {
+            job["id"]: JobStatus.QUEUED for job in jobs}

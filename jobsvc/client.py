@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 CANCEL_CHANNEL = "jobsvc:cancel"
 # Held by whoever requeues lost jobs, so that two workers never requeue the same jobs at once.
 REQUEUE_LOCK_KEY = "jobsvc:requeue-lock"
+# The Redis epoch under which a reconciler last found every lost job; it goes with a restart.
+RECONCILED_EPOCH_KEY = "jobsvc:reconciled-epoch"
 
 
 @dataclass(frozen=True)
@@ -130,33 +132,45 @@ class Client:
 
     def requeue_stale(self, limit: int = 10_000) -> int:
         """Enqueue again every unfinished job whose message was lost with a restarted Redis
-        (recorded under another Redis epoch); returns how many were requeued."""
+        (recorded under another Redis epoch); returns how many were requeued. Once a round
+        has found them all, later rounds under the same epoch skip the database: a job is
+        recorded before its message is sent, so every job whose message the restart lost
+        was already recorded when the new epoch began."""
         lock = self._redis.lock(REQUEUE_LOCK_KEY, timeout=300, blocking=False)
         if not lock.acquire():
             return 0
         try:
             epoch = self._shard_state.epoch()
-            stale = self._store.stale_jobs(epoch, limit)
-            unreadable = [row["job_id"] for row in stale if row["document"] is None]
-            if unreadable:
-                self._store.fail(unreadable, "its message was lost with a restarted Redis and "
-                                 "its document does not read back from the database, so it "
-                                 "cannot be enqueued again; submit it again")
-                log.error("failed %d lost jobs whose documents do not read back",
-                          len(unreadable))
-            stale = [row for row in stale if row["document"] is not None]
-            if not stale:
+            if self._redis.get(RECONCILED_EPOCH_KEY) == epoch.encode():
                 return 0
-            requests = [JobRequest(row["document"], row["question"], row["sampling"])
-                        for row in stale]
-            routed = self._route(requests, [row["job_id"] for row in stale])
-            # Enqueue first: if marking then fails, the next round enqueues these jobs again
-            # (a harmless duplicate run); marking first could lose them.
-            self._publish(routed)
-            self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
-                                      routed.epoch)
+            stale = self._store.stale_jobs(epoch, limit)
+            requeued = self._requeue(stale)
+            if len(stale) < limit:
+                self._redis.set(RECONCILED_EPOCH_KEY, epoch)
         finally:
             lock.release()
+        return requeued
+
+    def _requeue(self, stale: list[dict[str, Any]]) -> int:
+        """Enqueue these lost jobs again, failing those whose documents do not read back;
+        returns how many were enqueued."""
+        unreadable = [row["job_id"] for row in stale if row["document"] is None]
+        if unreadable:
+            self._store.fail(unreadable, "its message was lost with a restarted Redis and "
+                             "its document does not read back from the database, so it "
+                             "cannot be enqueued again; submit it again")
+            log.error("failed %d lost jobs whose documents do not read back", len(unreadable))
+        stale = [row for row in stale if row["document"] is not None]
+        if not stale:
+            return 0
+        requests = [JobRequest(row["document"], row["question"], row["sampling"])
+                    for row in stale]
+        routed = self._route(requests, [row["job_id"] for row in stale])
+        # Enqueue first: if marking then fails, the next round enqueues these jobs again
+        # (a harmless duplicate run); marking first could lose them.
+        self._publish(routed)
+        self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
+                                  routed.epoch)
         log.warning("requeued %d jobs whose messages were lost with an earlier Redis",
                     len(stale))
         return len(stale)

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import event, func, select
 from sqlalchemy.exc import IntegrityError
 
 from jobsvc import Client
+from jobsvc.affinity import EPOCH_KEY
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
@@ -133,13 +135,9 @@ def test_stale_jobs_are_those_of_another_redis_epoch(
     assert job_id not in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
 
 
-def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_are_requeued(
-        routing_settings: Settings) -> None:
-    # A database of its own: requeueing takes every stale job it finds.
-    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
-    repository = Store(settings.resolved_database_url)
-    frames = {"readable": compress(b"The keeper counted seven cats on the pier."),
-              "not zstd": b"plain bytes", "not UTF-8": compress(b"\xff\xfe broken")}
+def _record_lost_jobs(repository: Store, frames: dict[str, bytes]) -> dict[str, str]:
+    """Records one queued job per document text frame, under an epoch of a Redis that is
+    gone; returns the job IDs by frame name."""
     keys = {name: uuid.uuid4().hex for name in frames}
     jobs = {name: uuid.uuid4().hex for name in frames}
     repository.record_submitted(
@@ -149,6 +147,17 @@ def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_a
           "sampling": {"max_tokens": 4}, "shard": 0, "status": "queued", "prompt_tokens": 10,
           "estimated_prefill": 10, "submitted_at": utcnow(), "redis_epoch": "lost-redis"}
          for name in frames])
+    return jobs
+
+
+def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_are_requeued(
+        routing_settings: Settings) -> None:
+    # A database of its own: requeueing takes every stale job it finds.
+    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
+    repository = Store(settings.resolved_database_url)
+    jobs = _record_lost_jobs(repository, {
+        "readable": compress(b"The keeper counted seven cats on the pier."),
+        "not zstd": b"plain bytes", "not UTF-8": compress(b"\xff\xfe broken")})
     try:
         with Client(settings=settings) as client:
             assert client.requeue_stale() == 1
@@ -283,3 +292,29 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
         assert read == jobs
         assert repository.statuses([job["id"] for job in jobs]) == {
             job["id"]: JobStatus.QUEUED for job in jobs}
+
+
+def test_a_redis_epoch_whose_lost_jobs_were_all_found_is_not_searched_again_until_a_restart(
+        routing_settings: Settings) -> None:
+    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
+    repository = Store(settings.resolved_database_url)
+    text = compress(b"The keeper counted seven cats on the pier.")
+    broker = redis.Redis.from_url(settings.redis_url)
+    try:
+        with Client(settings=settings) as client:
+            first = _record_lost_jobs(repository, {"first": text})["first"]
+            assert client.requeue_stale() == 1
+            # Such a job cannot appear under a reconciled epoch (a job is recorded before its
+            # message is sent); that this one stays put shows the round did not search.
+            later = _record_lost_jobs(repository, {"later": text})["later"]
+            assert client.requeue_stale() == 0
+            epoch = broker.get(EPOCH_KEY).decode()
+            assert [row["job_id"] for row in repository.stale_jobs(epoch, 10)] == [later]
+            # A restart takes the epoch: every unfinished job is searched for again.
+            broker.delete(EPOCH_KEY)
+            assert client.requeue_stale() == 2
+            assert repository.stale_jobs(broker.get(EPOCH_KEY).decode(), 10) == []
+            assert {client.get(job_id).status for job_id in (first, later)} == {
+                JobStatus.QUEUED}
+    finally:
+        repository.dispose()

@@ -511,6 +511,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "pairs": [{
             "order": "service-first" if pair.service_first else "standalone-first",
             "ratio": pair.ratio,
+            "body_ratio": pair.body_ratio,
             "standalone_rps": pair.standalone.requests_per_second,
             "service_rps": pair.service.requests_per_second,
             "standalone_tokens_per_s": pair.standalone.tokens_per_second,

@@ -126,6 +126,13 @@ class Pair:
         """Service throughput as a share of standalone's (1.0 = parity)."""
         return self.service.requests_per_second / self.standalone.requests_per_second
 
+    @property
+    def body_ratio(self) -> float:
+        """`ratio` with each arm's head taken out: how the engines kept pace once they had
+        work, apart from how soon they got it."""
+        return ((self.standalone.seconds - self.standalone.head_seconds)
+                / (self.service.seconds - self.service.head_seconds))
+
 
 def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]]:
     ratios = [pair.ratio for pair in pairs]
@@ -149,13 +156,15 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]
         # neither arm's CPU accounting sees.
         "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
         "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
-        # The median head of each arm's bursts, and the service's extra head as a share of
-        # its median burst: the engines idle for that long while the burst is already timed.
+        # The median head of each arm's bursts; the service's extra head as a share of its
+        # burst (the engines idle for that long while the burst is already timed) and the
+        # ratio without the heads, each a median over pairs.
         "head_ms": {arm: median([getattr(pair, arm).head_seconds * 1000 for pair in pairs])
                     for arm in ("standalone", "service")},
         "extra_head_share": median([
             (pair.service.head_seconds - pair.standalone.head_seconds) / pair.service.seconds
             for pair in pairs]),
+        "body_ratio": median([pair.body_ratio for pair in pairs]),
         # Where each arm's CPU outside the engine went, in milliseconds per job.
         "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
         "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),

@@ -100,6 +100,8 @@ def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_bur
     assert summary["head_ms"] == pytest.approx({"standalone": 90.0, "service": 130.0})
     # Per pair 0.005, 0.006 and 0: the median of the shares, not a share of the medians.
     assert summary["extra_head_share"] == pytest.approx(0.005)
+    # Without the heads: 9.92 / 9.87, 9.91 / 4.88 and 9.8 / 9.8.
+    assert summary["body_ratio"] == pytest.approx(9.92 / 9.87)
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:

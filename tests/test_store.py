@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -288,7 +288,9 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
                                       .where(Job.document_key == key).order_by(Job.shard)).all()
         read = [dict(zip(columns, row, strict=True)) for row in rows]
         for row in read:
-            row["submitted_at"] = row["submitted_at"].replace(tzinfo=submitted.tzinfo)
+            # SQLite hands back the UTC moment without its zone; PostgreSQL, with one.
+            moment = row["submitted_at"]
+            row["submitted_at"] = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
         assert read == jobs
         assert repository.statuses([job["id"] for job in jobs]) == {
             job["id"]: JobStatus.QUEUED for job in jobs}
@@ -318,3 +320,4 @@ def test_a_redis_epoch_whose_lost_jobs_were_all_found_is_not_searched_again_unti
                 JobStatus.QUEUED}
     finally:
         repository.dispose()
+        broker.close()

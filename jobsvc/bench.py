@@ -150,24 +150,41 @@ def _steal_now() -> float:
     return steal_seconds(text, os.sysconf("SC_CLK_TCK"))
 
 
-def _tree_cpu(roots: Iterable[psutil.Process], role: str, *, descendants: bool
-              ) -> dict[ProcessKey, float]:
-    """Cumulative CPU seconds of these processes (and their descendants), keyed by PID and
-    role: `role`, or ENGINE_ROLE for vLLM's engine processes."""
-    times: dict[ProcessKey, float] = {}
+def _members(roots: Iterable[psutil.Process], role: str, *, descendants: bool
+             ) -> list[tuple[psutil.Process, str]]:
+    """These processes (and their descendants), each with its role: `role`, or ENGINE_ROLE for
+    vLLM's engine processes. Finding descendants walks every process on the machine (about
+    3 ms of CPU here), so an arm sampled while it runs finds its processes once."""
+    members: list[tuple[psutil.Process, str]] = []
     for root in roots:
         try:
-            members = [root, *root.children(recursive=True)] if descendants else [root]
+            found = [root, *root.children(recursive=True)] if descendants else [root]
         except psutil.NoSuchProcess:
             continue
-        for member in members:
+        for member in found:
             try:
-                cpu = member.cpu_times()
                 engine = member.name().startswith(ENGINE_PROCESS_PREFIX)
             except psutil.NoSuchProcess:
                 continue
-            times[member.pid, ENGINE_ROLE if engine else role] = cpu.user + cpu.system
+            members.append((member, ENGINE_ROLE if engine else role))
+    return members
+
+
+def _cpu_seconds(members: Iterable[tuple[psutil.Process, str]]) -> dict[ProcessKey, float]:
+    """Cumulative CPU seconds of these processes, keyed by PID and role."""
+    times: dict[ProcessKey, float] = {}
+    for member, role in members:
+        try:
+            cpu = member.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        times[member.pid, role] = cpu.user + cpu.system
     return times
+
+
+def _tree_cpu(roots: Iterable[psutil.Process], role: str, *, descendants: bool
+              ) -> dict[ProcessKey, float]:
+    return _cpu_seconds(_members(roots, role, descendants=descendants))
 
 
 @dataclass
@@ -217,13 +234,14 @@ class _Bench:
                 servers[role].append(process)
         return servers
 
-    def service_cpu(self, servers: Mapping[str, Iterable[psutil.Process]]
-                    ) -> dict[ProcessKey, float]:
-        times = {**_tree_cpu([psutil.Process()], "producer", descendants=False),
-                 **_tree_cpu(self.service_roots(), "worker", descendants=True)}
+    def service_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
+                          ) -> list[tuple[psutil.Process, str]]:
+        """Every process the service arm uses, with its role."""
+        members = [*_members([psutil.Process()], "producer", descendants=False),
+                   *_members(self.service_roots(), "worker", descendants=True)]
         for role, processes in servers.items():
-            times.update(_tree_cpu(processes, role, descendants=False))
-        return times
+            members.extend(_members(processes, role, descendants=False))
+        return members
 
     def standalone_cpu(self) -> dict[ProcessKey, float]:
         """The bench process (which drives the engines, or waits for the workers to), and
@@ -293,8 +311,8 @@ class _Bench:
         reset_routing_state(self.redis, self.settings.shards)
         self.ask_workers("take_gc_pauses", timeout=5)
         time.sleep(_SETTLE_SECONDS)
-        servers = self.server_processes()
-        before = self.service_cpu(servers)
+        processes = self.service_processes(self.server_processes())
+        before = _cpu_seconds(processes)
         steal_before = _steal_now()
         bytes_before = self.redis.info("stats")["total_net_input_bytes"]
         started = time.time()
@@ -309,7 +327,7 @@ class _Bench:
         def sample() -> None:
             nonlocal sampling
             sampling_started = time.thread_time()
-            used = cpu_seconds_by_role(before, self.service_cpu(servers))
+            used = cpu_seconds_by_role(before, _cpu_seconds(processes))
             used[_STEAL] = _steal_now() - steal_before
             sampling += time.thread_time() - sampling_started
             used["producer"] -= sampling

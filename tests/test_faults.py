@@ -49,8 +49,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     postgres = PrivatePostgres(5441)
     postgres.start()
     settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                 requeue_interval=2, max_attempts=3, worker_concurrency=4,
-                                 visibility_timeout=8)
+                                 requeue_interval=2, max_attempts=3, batch_size=32,
+                                 worker_concurrency=4, visibility_timeout=8)
     upgrade_to_head(postgres.url)
     workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
     try:

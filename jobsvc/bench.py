@@ -283,14 +283,14 @@ class _Bench:
                                              timeout=timeout, limit=len(self.workers.processes))
 
     def run_on_workers(self, jobs_by_shard: list[list[tuple[str, str, dict[str, Any]]]],
-                       mode: str, in_flight: int) -> StandaloneRun:
+                       mode: str) -> StandaloneRun:
         """One standalone burst on the workers' own engines, every shard at once."""
-        from workers.standalone import StandaloneRun
+        from workers.standalone import STAGGER_CHUNK, StandaloneRun
 
         replies = [reading for reply in self.ask_workers(
                        "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
                        arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
-                                  "in_flight": in_flight})
+                                  "chunk": STAGGER_CHUNK})
                    for reading in reply.values()]
         if len(replies) != len(self.workers.processes):
             raise RuntimeError(f"{len(replies)} of {len(self.workers.processes)} workers "
@@ -401,9 +401,8 @@ class _Bench:
         time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
-        in_flight = self.settings.batch_size * self.settings.worker_concurrency
-        run = (engines.run(per_engine, mode, in_flight) if engines is not None
-               else self.run_on_workers(per_engine, mode, in_flight))
+        run = (engines.run(per_engine, mode) if engines is not None
+               else self.run_on_workers(per_engine, mode))
         steal = _steal_now() - steal_before
         cpu_by_role = cpu_seconds_by_role(before, self.standalone_cpu())
         if record:

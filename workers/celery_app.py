@@ -187,9 +187,9 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def take_gc_pauses(_state: Any) -> dict[str, float]:
         return runtime.gc_pauses.take()
 
-    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("in_flight", int)])
+    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("chunk", int)])
     def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]], mode: str,
-                             in_flight: int) -> dict[str, float]:
+                             chunk: int) -> dict[str, float]:
         """Drive this worker's engine directly with this shard's share of a burst, bypassing
         queue and database: the benchmark's standalone arm on the very engine the service arm
         uses. The consumer waits meanwhile, so no batch runs beside the burst."""
@@ -197,7 +197,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
 
         jobs = [(document, question, sampling)
                 for document, question, sampling in jobs_by_shard[shard]]
-        return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, in_flight))
+        return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, chunk))
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

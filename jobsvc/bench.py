@@ -63,10 +63,13 @@ ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
-# Between the service arm's polls for its unfinished jobs. Each poll asks only for the jobs
-# still unfinished and samples the CPU counters; the arm's CPU is interpolated between
-# samples, so a longer interval costs no accuracy.
+# The longest wait between the service arm's checks for its unfinished jobs; it checks at
+# each commit that finishes jobs too. Each check asks only for the jobs still unfinished and
+# samples the CPU counters; the arm's CPU is interpolated between samples.
 _POLL_SECONDS = 1.0
+# After the check that finds every job finished: how long a notification of the commit that
+# finished the last one may take to arrive, if that commit landed during the check.
+_LAST_COMMIT_GRACE_SECONDS = 0.2
 # Quiet time before each arm, so that neither starts while the other's trailing work (the
 # last acknowledgements and statistics, an engine's threads winding down) still runs.
 _SETTLE_SECONDS = 1.0
@@ -198,6 +201,8 @@ class _Totals:
     shard_jobs: list[int] = field(default_factory=list)
     admission_ms: list[float] = field(default_factory=list)
     recording_lag_ms: list[float] = field(default_factory=list)
+    # Per burst: from the last result's `recorded_at` stamp to the producer hearing its commit.
+    heard_after_recorded_ms: list[float] = field(default_factory=list)
     gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
     gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
     gc_cpu_max_ms: dict[str, float] = field(default_factory=dict)
@@ -311,40 +316,49 @@ class _Bench:
         reset_routing_state(self.redis, self.settings.shards)
         self.ask_workers("take_gc_pauses", timeout=5)
         time.sleep(_SETTLE_SECONDS)
-        processes = self.service_processes(self.server_processes())
-        before = _cpu_seconds(processes)
-        steal_before = _steal_now()
-        bytes_before = self.redis.info("stats")["total_net_input_bytes"]
-        started = time.time()
-        ids = client.submit_many(jobs)
-        bytes_after = self.redis.info("stats")["total_net_input_bytes"]
-        # CPU is sampled at every poll and read off at the moment the last result was recorded,
-        # as the standalone arm's is read when its last request returns. The sampling's own CPU
-        # is the bench's, not the service's: it is taken out of the producer's.
-        samples: list[tuple[float, dict[str, float]]] = []
-        sampling = 0.0
+        # The arm ends when the producer hears of the commit that finished its last job: the
+        # notification that preceded the check finding none unfinished, or one arriving just
+        # after it (that commit landed during the check). Listening starts before the arm's
+        # processes are found, so that the listening connection's server process is counted.
+        with client.finish_signal() as signal:
+            processes = self.service_processes(self.server_processes())
+            before = _cpu_seconds(processes)
+            steal_before = _steal_now()
+            bytes_before = self.redis.info("stats")["total_net_input_bytes"]
+            # CPU is sampled at every check and read off at the end, as the standalone arm's is
+            # read when its last request returns. The sampling's own CPU is the bench's, not the
+            # service's: it is taken out of the producer's.
+            samples: list[tuple[float, dict[str, float]]] = []
+            sampling = 0.0
 
-        def sample() -> None:
-            nonlocal sampling
-            sampling_started = time.thread_time()
-            used = cpu_seconds_by_role(before, _cpu_seconds(processes))
-            used[_STEAL] = _steal_now() - steal_before
-            sampling += time.thread_time() - sampling_started
-            used["producer"] -= sampling
-            samples.append((time.time(), used))
+            def sample() -> None:
+                nonlocal sampling
+                sampling_started = time.thread_time()
+                used = cpu_seconds_by_role(before, _cpu_seconds(processes))
+                used[_STEAL] = _steal_now() - steal_before
+                sampling += time.thread_time() - sampling_started
+                used["producer"] -= sampling
+                samples.append((time.time(), used))
 
-        pending = ids
-        while pending:
+            started = time.time()
+            ids = client.submit_many(jobs)
+            bytes_after = self.redis.info("stats")["total_net_input_bytes"]
+            heard: float | None = None
+            pending = ids
+            while pending:
+                sample()
+                pending = client.unfinished(pending)
+                if pending:
+                    heard = signal.wait(_POLL_SECONDS) or heard
+            heard = signal.wait(_LAST_COMMIT_GRACE_SECONDS) or heard
+            # Before the listening connection closes: its server process then leaves the count.
             sample()
-            pending = client.unfinished(pending)
-            if pending:
-                time.sleep(_POLL_SECONDS)
-        sample()
         records = client.wait(ids)
-        # The arm ends when its last result was recorded (a failed job has no result; its
-        # engine finish stands in).
-        finished = max(_timestamp(record.recorded_at or record.finished_at)
-                       for record in records)
+        # Without notifications (a database that sends none), the moment the last result was
+        # recorded stands in (a failed job has no result; its engine finish does).
+        last_recorded = max(_timestamp(record.recorded_at or record.finished_at)
+                            for record in records)
+        finished = heard or last_recorded
         cpu_by_role = {role: reading_at([(moment, used.get(role, 0.0))
                                          for moment, used in samples], finished)
                        for role in samples[-1][1]}
@@ -352,6 +366,8 @@ class _Bench:
         if record:
             totals = self.totals
             totals.bytes_enqueued.append(bytes_after - bytes_before)
+            if heard is not None:
+                totals.heard_after_recorded_ms.append((heard - last_recorded) * 1000)
             totals.failed += sum(r.status is not JobStatus.SUCCEEDED for r in records)
             totals.prompt_tokens += sum(r.prompt_tokens for r in records)
             totals.cached_tokens += sum(r.cached_tokens or 0 for r in records)
@@ -524,6 +540,9 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "engine_finish_to_recorded_ms": {
             "p50": percentile(totals.recording_lag_ms, 0.5),
             "p99": percentile(totals.recording_lag_ms, 0.99)} if totals.recording_lag_ms else None,
+        "last_commit_heard_after_recorded_ms": {
+            "p50": percentile(totals.heard_after_recorded_ms, 0.5),
+            "max": max(totals.heard_after_recorded_ms)} if totals.heard_after_recorded_ms else None,
         "service_jobs_not_succeeded": totals.failed,
         "pairs": [{
             "order": "service-first" if pair.service_first else "standalone-first",

@@ -18,6 +18,7 @@ from jobsvc import compression
 from jobsvc.affinity import ShardState
 from jobsvc.batching import form_batches
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
+from jobsvc.finish_signal import FinishSignal
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import make_router
 from jobsvc.routing import document_keys
@@ -210,27 +211,34 @@ class Client:
         return record
 
     def wait(self, job_ids: Sequence[str] | str, timeout: float | None = None,
-             poll_interval: float = 0.05) -> list[JobRecord]:
+             check_interval: float = 1.0) -> list[JobRecord]:
         """Block until every job has finished; return their records in the order given.
-        Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID."""
+        Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID.
+        The jobs are checked again whenever the database announces finished jobs, and at
+        least every `check_interval` seconds (on SQLite, which announces nothing: exactly
+        that often)."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
-        interval = poll_interval
         pending = ids
-        while True:
-            pending = self.unfinished(pending)
-            if not pending:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still unfinished after "
-                                   f"{timeout} s (first: {pending[0]})")
-            time.sleep(interval if deadline is None
-                       else max(0.0, min(interval, deadline - time.monotonic())))
-            interval = min(interval * 1.5, 1.0)
+        with self.finish_signal() as signal:
+            while True:
+                pending = self.unfinished(pending)
+                if not pending:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still unfinished "
+                                       f"after {timeout} s (first: {pending[0]})")
+                signal.wait(check_interval if deadline is None
+                            else max(0.0, min(check_interval, deadline - time.monotonic())))
         records: dict[str, JobRecord] = {}
         for start in range(0, len(ids), _WAIT_CHUNK):
             records.update(self._store.get_many(ids[start:start + _WAIT_CHUNK]))
         return [records[job_id] for job_id in ids]
+
+    def finish_signal(self) -> FinishSignal:
+        """Listen for jobs finishing: open it before checking, then `wait` between checks,
+        and no commit between the two goes unnoticed."""
+        return self._store.finish_signal()
 
     def pending(self, job_ids: Sequence[str]) -> int:
         """How many of these jobs have not finished yet (for progress displays)."""

@@ -42,6 +42,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
+from jobsvc.finish_signal import FinishSignal, announce_finished
 from jobsvc.schema import FINISHED_STATUSES, JobStatus
 
 log = logging.getLogger(__name__)
@@ -367,6 +368,7 @@ class Store:
         connection.execute(
             update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
             .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason))
+        announce_finished(connection)
 
     def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
         """Unfinished jobs enqueued into another Redis instance than the current one: their
@@ -418,6 +420,7 @@ class Store:
                 _record_outcomes_postgresql(connection, outcomes)
             else:
                 self._record_outcomes_row_by_row(connection, outcomes)
+            announce_finished(connection)
 
     def _record_outcomes_row_by_row(self, connection: Connection,
                                     outcomes: Sequence[JobOutcome]) -> None:
@@ -453,10 +456,15 @@ class Store:
                 .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())
             ).rowcount
             if changed:
+                announce_finished(connection)
                 return True
             if connection.execute(select(Job.id).where(Job.id == job_id)).first() is None:
                 raise JobNotFound(f"no job with ID {job_id!r}")
             return False
+
+    def finish_signal(self) -> FinishSignal:
+        """What a waiter blocks on between checks of its jobs (see `jobsvc.finish_signal`)."""
+        return FinishSignal(self.engine)
 
     def get_many(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
         query = (

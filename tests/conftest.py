@@ -92,6 +92,16 @@ def store(settings: Settings) -> Iterator[Store]:
     repository.dispose()
 
 
+@pytest.fixture()
+def embedded(tmp_path: Path) -> Iterator[Store]:
+    """A store on the embedded SQLite, beside the PostgreSQL one."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    upgrade_to_head(url)
+    repository = Store(url)
+    yield repository
+    repository.dispose()
+
+
 def record_queued_job(store: Store) -> str:
     """Records a queued job on a document of its own and returns its ID."""
     job_id = uuid.uuid4().hex

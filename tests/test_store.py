@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,6 @@ from sqlalchemy.exc import IntegrityError
 from jobsvc import Client
 from jobsvc.affinity import EPOCH_KEY
 from jobsvc.compression import compress, pack_tokens
-from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
@@ -218,16 +216,6 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
         event.remove(store.engine, "after_cursor_execute", count_document_rows)
     assert read == {job_id: documents[key] for job_id, key in jobs.items()}
     assert document_rows == [2]
-
-
-@pytest.fixture()
-def embedded(tmp_path: Path) -> Iterator[Store]:
-    """A store on the embedded SQLite, beside the PostgreSQL one."""
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    upgrade_to_head(url)
-    repository = Store(url)
-    yield repository
-    repository.dispose()
 
 
 def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(

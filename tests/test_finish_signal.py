@@ -1,0 +1,78 @@
+"""Waiters are woken by the commits that finish jobs, on the real PostgreSQL test database,
+and simply wait out their timeout on the embedded SQLite."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from jobsvc import Client
+from jobsvc.finish_signal import announce_finished
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from jobsvc.store import JobOutcome, Store, utcnow
+
+
+def _answer(store: Store, job_id: str) -> None:
+    store.claim_batch([job_id], "w", max_attempts=3)
+    store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
+
+
+FINISHING = {
+    "answered": (_answer, JobStatus.SUCCEEDED),
+    "failed": (lambda store, job_id: store.fail([job_id], "no"), JobStatus.FAILED),
+    "cancelled": (lambda store, job_id: store.cancel(job_id), JobStatus.CANCELLED),
+}
+
+
+@pytest.mark.parametrize("ending", sorted(FINISHING))
+def test_a_waiter_hears_the_commit_that_finishes_a_job_once_it_is_visible(
+        store: Store, queued_job: Callable[[], str], ending: str) -> None:
+    finish, status = FINISHING[ending]
+    job_id = queued_job()
+    with store.finish_signal() as signal:
+        later = threading.Timer(0.2, finish, [store, job_id])
+        asked = time.time()
+        later.start()
+        heard = signal.wait(10)
+        later.join()
+        assert heard is not None and asked < heard < asked + 5
+        assert store.statuses([job_id])[job_id] is status
+
+
+def test_a_transaction_that_rolls_back_wakes_nobody(store: Store) -> None:
+    with store.finish_signal() as signal:
+        with pytest.raises(RuntimeError), store.engine.begin() as connection:
+            announce_finished(connection)
+            raise RuntimeError("roll back")
+        assert signal.wait(0.3) is None
+
+
+def test_wait_returns_at_the_commit_not_at_its_next_check(
+        settings: Settings, store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
+    later = threading.Timer(0.3, store.cancel, [job_id])
+    with Client(settings=settings) as client:
+        asked = time.monotonic()
+        later.start()
+        (record,) = client.wait([job_id], timeout=60, check_interval=30)
+        waited = time.monotonic() - asked
+    later.join()
+    assert record.status is JobStatus.CANCELLED
+    # Checking only every 30 s, it would have returned after 30 s.
+    assert waited < 10
+
+
+def test_on_the_embedded_sqlite_a_waiter_pauses_longer_each_time_up_to_its_timeout(
+        embedded: Store) -> None:
+    with embedded.finish_signal() as signal:
+        pauses = []
+        for _ in range(8):
+            asked = time.monotonic()
+            assert signal.wait(0.2) is None
+            pauses.append(time.monotonic() - asked)
+    assert 0.05 <= pauses[0] < 0.15
+    assert all(0.2 <= pause < 0.35 for pause in pauses[-3:]), pauses

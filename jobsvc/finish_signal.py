@@ -1,34 +1,29 @@
 """Wake whoever waits for results when jobs finish, instead of having them poll.
 
-Every transaction that finishes jobs sends a PostgreSQL notification, which the server
-delivers when (and only if) the transaction commits. A waiter listens on its own connection
-and re-checks its jobs when one arrives, so it sees a result within a round trip of its
-commit and asks the database nothing in between. On SQLite, which has no notifications, a
-waiter sleeps between checks, briefly at first and longer as the wait goes on."""
+Every statement that finishes jobs sends a PostgreSQL notification (a trigger on the jobs
+table, migration 0004), which the server delivers when (and only if) its transaction
+commits. A waiter listens on its own connection and re-checks its jobs when one arrives, so it
+sees a result within a round trip of its commit and asks the database nothing in between. On
+SQLite, which has no notifications, a waiter sleeps between checks, briefly at first and
+longer as the wait goes on."""
 
 from __future__ import annotations
 
 import logging
+import select
 import time
 from typing import Any
 
 import psycopg
-from sqlalchemy import text
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 log = logging.getLogger(__name__)
 
+# The channel migration 0004's trigger notifies.
 FINISHED_CHANNEL = "jobsvc_finished"
-_NOTIFY = text(f"NOTIFY {FINISHED_CHANNEL}")
 # Without notifications: the first pause between checks, and how much each grows.
 _FIRST_PAUSE_SECONDS = 0.05
 _PAUSE_GROWTH = 1.5
-
-
-def announce_finished(connection: Connection) -> None:
-    """Within a transaction that finishes jobs: wake the waiters once it commits."""
-    if connection.dialect.name == "postgresql":
-        connection.execute(_NOTIFY)
 
 
 class FinishSignal:
@@ -68,6 +63,11 @@ class FinishSignal:
             return
         self._listening = listening
 
+    def _drain(self) -> bool:
+        """Take every notification already received, without waiting; True if there was any
+        (several commits may have landed at once: one check answers them all)."""
+        return sum(1 for _ in self._listening.notifies(timeout=0)) > 0
+
     def wait(self, timeout: float) -> float | None:
         """Block until a notification arrives or `timeout` seconds pass."""
         self._listen()
@@ -76,14 +76,14 @@ class FinishSignal:
             self._pause *= _PAUSE_GROWTH
             return None
         try:
-            arrived = None
-            for _ in self._listening.notifies(timeout=timeout, stop_after=1):
-                arrived = time.time()
-            if arrived is not None:
-                # Several commits may have landed at once: one check answers them all.
-                for _ in self._listening.notifies(timeout=0):
-                    pass
-            return arrived
+            # psycopg's own blocking wait for notifications wakes every 0.1 s to look for
+            # interrupts; on a host whose cores the engine keeps busy each wakeup takes a core
+            # from it. Blocking on the socket wakes only when something arrives.
+            if self._drain():
+                return time.time()
+            readable, _, _ = select.select([self._listening.fileno()], [], [], timeout)
+            arrived = time.time()
+            return arrived if readable and self._drain() else None
         except (psycopg.Error, OSError) as error:
             log.warning("lost the connection listening for finished jobs (%s)", error)
             self.close()

@@ -42,7 +42,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
-from jobsvc.finish_signal import FinishSignal, announce_finished
+from jobsvc.finish_signal import FinishSignal
 from jobsvc.schema import FINISHED_STATUSES, JobStatus
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,6 @@ class Store:
         connection.execute(
             update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
             .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason))
-        announce_finished(connection)
 
     def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
         """Unfinished jobs enqueued into another Redis instance than the current one: their
@@ -420,7 +419,6 @@ class Store:
                 _record_outcomes_postgresql(connection, outcomes)
             else:
                 self._record_outcomes_row_by_row(connection, outcomes)
-            announce_finished(connection)
 
     def _record_outcomes_row_by_row(self, connection: Connection,
                                     outcomes: Sequence[JobOutcome]) -> None:
@@ -456,7 +454,6 @@ class Store:
                 .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())
             ).rowcount
             if changed:
-                announce_finished(connection)
                 return True
             if connection.execute(select(Job.id).where(Job.id == job_id)).first() is None:
                 raise JobNotFound(f"no job with ID {job_id!r}")

@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 import pytest
+from sqlalchemy import update
 
 from jobsvc import Client
-from jobsvc.finish_signal import announce_finished
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
-from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.store import Job, JobOutcome, Store, utcnow
 
 
 def _answer(store: Store, job_id: str) -> None:
@@ -43,11 +43,22 @@ def test_a_waiter_hears_the_commit_that_finishes_a_job_once_it_is_visible(
         assert store.statuses([job_id])[job_id] is status
 
 
-def test_a_transaction_that_rolls_back_wakes_nobody(store: Store) -> None:
+def test_jobs_finished_in_a_transaction_that_rolls_back_wake_nobody(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
     with store.finish_signal() as signal:
         with pytest.raises(RuntimeError), store.engine.begin() as connection:
-            announce_finished(connection)
+            connection.execute(update(Job).where(Job.id == job_id).values(status="failed"))
             raise RuntimeError("roll back")
+        assert signal.wait(0.3) is None
+    assert store.statuses([job_id])[job_id] is JobStatus.QUEUED
+
+
+def test_a_claim_that_only_starts_jobs_wakes_nobody(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    job_id = queued_job()
+    with store.finish_signal() as signal:
+        assert set(store.claim_batch([job_id], "w", max_attempts=3)) == {job_id}
         assert signal.wait(0.3) is None
 
 

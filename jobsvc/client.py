@@ -215,8 +215,8 @@ class Client:
         """Block until every job has finished; return their records in the order given.
         Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID.
         The jobs are checked again whenever the database announces finished jobs, and at
-        least every `check_interval` seconds (on SQLite, which announces nothing: exactly
-        that often)."""
+        least every `check_interval` seconds (on SQLite, which announces nothing, after
+        pauses that start at 50 ms and grow to that)."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = ids

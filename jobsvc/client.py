@@ -219,17 +219,17 @@ class Client:
         pauses that start at 50 ms and grow to that)."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending = ids
-        with self.finish_signal() as signal:
-            while True:
-                pending = self.unfinished(pending)
-                if not pending:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still unfinished "
-                                       f"after {timeout} s (first: {pending[0]})")
-                signal.wait(check_interval if deadline is None
-                            else max(0.0, min(check_interval, deadline - time.monotonic())))
+        # Listen only for jobs not finished yet, then check again: no commit between the
+        # first check and the listening goes unnoticed.
+        pending = self.unfinished(ids)
+        if pending:
+            with self.finish_signal() as signal:
+                while pending := self.unfinished(pending):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still "
+                                           f"unfinished after {timeout} s (first: {pending[0]})")
+                    signal.wait(check_interval if deadline is None else
+                                max(0.0, min(check_interval, deadline - time.monotonic())))
         records: dict[str, JobRecord] = {}
         for start in range(0, len(ids), _WAIT_CHUNK):
             records.update(self._store.get_many(ids[start:start + _WAIT_CHUNK]))

@@ -591,8 +591,9 @@ def plot_pairs(result: dict[str, Any], path: Path) -> None:
     left.axhline(1.0, color="gray", linewidth=0.8)
     left.set_xlabel("pair")
     left.set_ylabel("throughput ratio")
+    low, high = result["median_ratio_interval_95"]
     left.set_title(f"{result['workload']}, {result['shards']} shard(s): "
-                   f"median {result['median_ratio']:.4f}")
+                   f"median {result['median_ratio']:.4f} ({low:.3f}-{high:.3f})")
     left.legend()
     width = 0.4
     right.bar([i - width / 2 for i in index], [p["standalone_cpu_s_per_job"] for p in pairs],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,26 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return percentile(values, 0.5)
+
+
+# Resamples behind a bootstrap interval, and the seed that makes a report reproducible.
+BOOTSTRAP_RESAMPLES = 4000
+BOOTSTRAP_SEED = 5
+
+
+def median_interval(values: Sequence[float], level: float = 0.95,
+                    resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """A percentile-bootstrap interval for the median of `values`: how far the median of
+    this many pairs could have landed on another run of the same noise. A ratio whose
+    interval holds 0.99 has not been told apart from it."""
+    if not values:
+        raise ValueError("an interval needs at least one value")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    draw = random.Random(BOOTSTRAP_SEED).choices
+    medians = [median(draw(values, k=len(values))) for _ in range(resamples)]
+    tail = (1.0 - level) / 2
+    return percentile(medians, tail), percentile(medians, 1.0 - tail)
 
 
 # A process in a CPU snapshot: its PID and its part in the arm, such as "producer",
@@ -134,7 +155,8 @@ class Pair:
                 / (self.service.seconds - self.service.head_seconds))
 
 
-def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]]:
+def summarize_pairs(pairs: Sequence[Pair]
+                    ) -> dict[str, float | list[float] | dict[str, float]]:
     ratios = [pair.ratio for pair in pairs]
     service_cpu = _per_job(pairs, "service", "cpu_seconds")
     standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")
@@ -142,6 +164,8 @@ def summarize_pairs(pairs: Sequence[Pair]) -> dict[str, float | dict[str, float]
     standalone_outside = _per_job(pairs, "standalone", "outside_engine_cpu_seconds")
     return {
         "median_ratio": median(ratios),
+        "median_ratio_interval_95": list(median_interval(ratios)),
+        "pairs_behind": sum(ratio < 1.0 for ratio in ratios),
         "min_ratio": min(ratios),
         "max_ratio": max(ratios),
         "standalone_cpu_seconds_per_job": standalone_cpu,

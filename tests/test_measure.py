@@ -17,6 +17,7 @@ from jobsvc.measure import (
     cpu_seconds_by_role,
     ideal_hit_rate,
     median,
+    median_interval,
     outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
@@ -34,6 +35,22 @@ def test_percentiles_interpolate_linearly() -> None:
     assert median([3, 1, 2]) == 2
     with pytest.raises(ValueError):
         percentile([], 0.5)
+
+
+def test_median_interval_brackets_the_median_and_widens_with_the_spread() -> None:
+    steady = [0.99, 1.0, 1.01, 1.0, 0.99, 1.01, 1.0]
+    noisy = [0.9, 1.1, 0.95, 1.05, 0.85, 1.15, 1.0]
+    low, high = median_interval(steady)
+    assert low <= median(steady) <= high
+    assert (low, high) == median_interval(steady)  # seeded: a report reproduces
+    noisy_low, noisy_high = median_interval(noisy)
+    assert noisy_high - noisy_low > high - low
+    assert min(noisy) <= noisy_low < median(noisy) < noisy_high <= max(noisy)
+    assert median_interval([0.97]) == (0.97, 0.97)
+    with pytest.raises(ValueError):
+        median_interval([])
+    with pytest.raises(ValueError):
+        median_interval(steady, level=1.0)
 
 
 def test_cpu_used_counts_new_processes_from_zero_and_ignores_vanished_ones() -> None:
@@ -57,6 +74,9 @@ def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
              Pair(_arm(100, 10.0, 20.0), _arm(100, 10.5, 20.4), False)]
     summary = summarize_pairs(pairs)
     assert summary["median_ratio"] == pytest.approx(10.0 / 10.1)
+    low, high = summary["median_ratio_interval_95"]
+    assert 10.0 / 10.5 <= low <= summary["median_ratio"] <= high <= 10.0 / 9.9
+    assert summary["pairs_behind"] == 2
     assert summary["min_ratio"] == pytest.approx(10.0 / 10.5)
     assert summary["cpu_ratio"] == pytest.approx(60.6 / 60.0)
     assert summary["added_cpu_share"] == 0.0

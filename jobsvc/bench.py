@@ -191,6 +191,33 @@ def _tree_cpu(roots: Iterable[psutil.Process], role: str, *, descendants: bool
 
 
 @dataclass
+class _GcTotals:
+    """Each worker's longest GC pauses and its collections, over the bursts of one arm."""
+
+    pause_max_ms: dict[str, float] = field(default_factory=dict)
+    pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
+    cpu_max_ms: dict[str, float] = field(default_factory=dict)
+    collections_by_generation: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, replies: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:
+        """Fold in the workers' `take_gc_pauses` readings."""
+        for reply in replies:
+            for worker, reading in reply.items():
+                self.pause_max_ms[worker] = max(self.pause_max_ms.get(worker, 0.0),
+                                                reading["gc_pause_max_ms"])
+                self.cpu_max_ms[worker] = max(self.cpu_max_ms.get(worker, 0.0),
+                                              reading["gc_cpu_max_ms"])
+                by_generation = self.pause_max_ms_by_generation.setdefault(
+                    worker, [0.0, 0.0, 0.0])
+                by_generation[:] = map(max, by_generation,
+                                       reading["gc_pause_max_ms_by_generation"])
+                collections = self.collections_by_generation.setdefault(worker, [0, 0, 0])
+                collections[:] = map(sum, zip(collections,
+                                              reading["gc_collections_by_generation"],
+                                              strict=True))
+
+
+@dataclass
 class _Totals:
     """Service-side figures accumulated over all trials."""
 
@@ -203,10 +230,10 @@ class _Totals:
     recording_lag_ms: list[float] = field(default_factory=list)
     # Per burst: from the last result's `recorded_at` stamp to the producer hearing its commit.
     heard_after_recorded_ms: list[float] = field(default_factory=list)
-    gc_pause_max_ms: dict[str, float] = field(default_factory=dict)
-    gc_pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
-    gc_cpu_max_ms: dict[str, float] = field(default_factory=dict)
-    gc_collections_by_generation: dict[str, list[int]] = field(default_factory=dict)
+    gc: _GcTotals = field(default_factory=_GcTotals)
+    # The same workers' collections during the standalone arm, when it drives their engines:
+    # what vLLM's front end and the host cost the process without the service's work.
+    standalone_gc: _GcTotals = field(default_factory=_GcTotals)
     bytes_enqueued: list[int] = field(default_factory=list)
     failed: int = 0
 
@@ -378,21 +405,7 @@ class _Bench:
                 if r.recorded_at is not None:
                     totals.recording_lag_ms.append(
                         (_timestamp(r.recorded_at) - _timestamp(r.finished_at)) * 1000)
-            for reply in self.ask_workers("take_gc_pauses", timeout=5):
-                for worker, reading in reply.items():
-                    totals.gc_pause_max_ms[worker] = max(
-                        totals.gc_pause_max_ms.get(worker, 0.0), reading["gc_pause_max_ms"])
-                    totals.gc_cpu_max_ms[worker] = max(
-                        totals.gc_cpu_max_ms.get(worker, 0.0), reading["gc_cpu_max_ms"])
-                    by_generation = totals.gc_pause_max_ms_by_generation.setdefault(
-                        worker, [0.0, 0.0, 0.0])
-                    by_generation[:] = map(max, by_generation,
-                                           reading["gc_pause_max_ms_by_generation"])
-                    collections = totals.gc_collections_by_generation.setdefault(
-                        worker, [0, 0, 0])
-                    collections[:] = map(sum, zip(collections,
-                                                  reading["gc_collections_by_generation"],
-                                                  strict=True))
+            totals.gc.add(self.ask_workers("take_gc_pauses", timeout=5))
             mismatched = sum(r.shard != planned
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
@@ -414,6 +427,9 @@ class _Bench:
             sampling = {key: value for key, value in job.items()
                         if key not in ("document", "question")}
             per_engine[shard].append((job["document"], job["question"], sampling))
+        on_workers = engines is None
+        if on_workers:
+            self.ask_workers("take_gc_pauses", timeout=5)
         time.sleep(_SETTLE_SECONDS)
         before = self.standalone_cpu()
         steal_before = _steal_now()
@@ -424,6 +440,8 @@ class _Bench:
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
+            if on_workers:
+                self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
                          head_seconds=run.head_seconds)
 
@@ -531,10 +549,14 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "load_max_over_mean": max(shard_jobs) / mean_jobs if mean_jobs else 0.0,
         "bytes_raw": sum(bytes_raw) // len(bytes_raw),
         "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
-        "gc_pause_max_ms": totals.gc_pause_max_ms,
-        "gc_pause_max_ms_by_generation": totals.gc_pause_max_ms_by_generation,
-        "gc_cpu_max_ms": totals.gc_cpu_max_ms,
-        "gc_collections_by_generation": totals.gc_collections_by_generation,
+        "gc_pause_max_ms": totals.gc.pause_max_ms,
+        "gc_pause_max_ms_by_generation": totals.gc.pause_max_ms_by_generation,
+        "gc_cpu_max_ms": totals.gc.cpu_max_ms,
+        "gc_collections_by_generation": totals.gc.collections_by_generation,
+        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
+        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
+        "standalone_gc_collections_by_generation":
+            totals.standalone_gc.collections_by_generation,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
         "engine_finish_to_recorded_ms": {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobsvc.bench import BenchOptions, bench_jobs
+from jobsvc.bench import BenchOptions, _GcTotals, bench_jobs
 from jobsvc.errors import InvalidJob
 from jobsvc.measure import (
     ENGINE_ROLE,
@@ -161,3 +161,18 @@ def test_readings_are_interpolated_at_a_moment_between_samples() -> None:
     assert reading_at([(3.0, 7.0), (3.0, 7.0)], 3.0) == 7.0
     with pytest.raises(ValueError):
         reading_at([], 1.0)
+
+
+def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() -> None:
+    def reading(pause: float, cpu: float, walls: list[float], counts: list[int]) -> dict:
+        return {"gc_pause_max_ms": pause, "gc_cpu_max_ms": cpu,
+                "gc_pause_max_ms_by_generation": walls, "gc_collections_by_generation": counts}
+
+    totals = _GcTotals()
+    totals.add([{"shard0": reading(5.0, 2.0, [5.0, 1.0, 0.0], [10, 1, 0])},
+                {"shard1": reading(1.0, 1.0, [1.0, 0.0, 0.0], [3, 0, 0])}])
+    totals.add([{"shard0": reading(3.0, 2.5, [2.0, 3.0, 0.0], [12, 1, 1])}])
+    assert totals.pause_max_ms == {"shard0": 5.0, "shard1": 1.0}
+    assert totals.cpu_max_ms == {"shard0": 2.5, "shard1": 1.0}
+    assert totals.pause_max_ms_by_generation["shard0"] == [5.0, 3.0, 0.0]
+    assert totals.collections_by_generation == {"shard0": [22, 2, 1], "shard1": [3, 0, 0]}

@@ -412,9 +412,11 @@ class _Bench:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
         first_claim = min((_timestamp(r.started_at) for r in records if r.started_at),
                           default=finished)
+        last_engine_finish = max(_timestamp(r.finished_at) for r in records)
         return ArmResult(len(ids), finished - started,
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
-                         head_seconds=first_claim - started)
+                         head_seconds=first_claim - started,
+                         tail_seconds=max(0.0, finished - last_engine_finish))
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -588,6 +590,7 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
             "service_steal_s": pair.service.steal_seconds,
             "standalone_head_ms": pair.standalone.head_seconds * 1000,
             "service_head_ms": pair.service.head_seconds * 1000,
+            "service_tail_ms": pair.service.tail_seconds * 1000,
         } for pair in pairs],
     }
     if options.json_path:

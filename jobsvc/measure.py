@@ -107,6 +107,10 @@ class ArmResult:
     # engines wait for tokenizing (both arms) and for recording, publishing and claiming
     # (the service only).
     head_seconds: float = 0.0
+    # From the last job's end in an engine to the arm's end: the burst's tail, in which the
+    # service records the last results and its producer hears of them (0 for the standalone
+    # arm, which ends when its last request returns).
+    tail_seconds: float = 0.0
 
     @property
     def cpu_seconds(self) -> float:
@@ -189,6 +193,8 @@ def summarize_pairs(pairs: Sequence[Pair]
             (pair.service.head_seconds - pair.standalone.head_seconds) / pair.service.seconds
             for pair in pairs]),
         "body_ratio": median([pair.body_ratio for pair in pairs]),
+        "service_tail_ms": {"p50": median([pair.service.tail_seconds * 1000 for pair in pairs]),
+                            "max": max(pair.service.tail_seconds * 1000 for pair in pairs)},
         # Where each arm's CPU outside the engine went, in milliseconds per job.
         "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
         "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),

@@ -118,6 +118,10 @@ def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_bur
              Pair(headed(10.0, 0.20), headed(10.0, 0.20), False)]
     summary = summarize_pairs(pairs)
     assert summary["head_ms"] == pytest.approx({"standalone": 90.0, "service": 130.0})
+    assert summary["service_tail_ms"] == {"p50": 0.0, "max": 0.0}
+    tailed = [replace(pair, service=replace(pair.service, tail_seconds=tail))
+              for pair, tail in zip(pairs, (0.01, 0.5, 0.02), strict=True)]
+    assert summarize_pairs(tailed)["service_tail_ms"] == pytest.approx({"p50": 20.0, "max": 500.0})
     # Per pair 0.005, 0.006 and 0: the median of the shares, not a share of the medians.
     assert summary["extra_head_share"] == pytest.approx(0.005)
     # Without the heads: 9.92 / 9.87, 9.91 / 4.88 and 9.8 / 9.8.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,7 +169,7 @@ def test_readings_are_interpolated_at_a_moment_between_samples() -> None:
 
 
 def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() -> None:
-    def reading(pause: float, cpu: float, walls: list[float], counts: list[int]) -> dict:
+    def reading(pause: float, cpu: float, walls: list[float], counts: list[int]) -> dict[str, Any]:
         return {"gc_pause_max_ms": pause, "gc_cpu_max_ms": cpu,
                 "gc_pause_max_ms_by_generation": walls, "gc_collections_by_generation": counts}
 

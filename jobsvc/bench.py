@@ -37,8 +37,10 @@ from jobsvc.measure import (
     outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
+    schedstat_wait_ns,
     steal_seconds,
     summarize_pairs,
+    wait_seconds,
 )
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.prompts import PromptBuilder
@@ -63,6 +65,7 @@ ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
+MODEL_RUNNER_PREFIX = "VLLM::Worker"
 # The longest wait between the service arm's checks for its unfinished jobs; it checks at
 # each commit that finishes jobs too. Each check asks only for the jobs still unfinished and
 # samples the CPU counters; the arm's CPU is interpolated between samples.
@@ -75,6 +78,9 @@ _LAST_COMMIT_GRACE_SECONDS = 0.2
 _SETTLE_SECONDS = 1.0
 # The key under which a CPU sample carries the hypervisor's steal, read off like the roles.
 _STEAL = "steal"
+# The key under which it carries the model runner's wait for a core: read off the same way,
+# since the engine's idle threads go on spinning, and waiting, after the burst's last job.
+_RUNNER_WAIT = "runner wait"
 # How long a standalone burst on the workers' engines may take before the bench gives up.
 _WORKER_BURST_TIMEOUT_SECONDS = 1800.0
 
@@ -185,9 +191,34 @@ def _cpu_seconds(members: Iterable[tuple[psutil.Process, str]]) -> dict[ProcessK
     return times
 
 
-def _tree_cpu(roots: Iterable[psutil.Process], role: str, *, descendants: bool
-              ) -> dict[ProcessKey, float]:
-    return _cpu_seconds(_members(roots, role, descendants=descendants))
+def _model_runner_waits(members: Iterable[tuple[psutil.Process, str]]) -> dict[int, int]:
+    """Cumulative wait for a core (ns) of the threads that run the model, by thread ID: in
+    vLLM's model-runner processes (or, where the engine core runs the model itself, in the
+    engine's processes) the threads named like their process, the main one and OpenMP's.
+    The engine core's other threads spin while a step runs, and their wait costs nothing.
+    Empty where the kernel keeps no scheduler statistics."""
+    engines = []
+    for member, role in members:
+        if role == ENGINE_ROLE:
+            try:
+                engines.append((member.pid, member.name()))
+            except psutil.NoSuchProcess:
+                continue
+    runners = [engine for engine in engines if engine[1].startswith(MODEL_RUNNER_PREFIX)]
+    waits: dict[int, int] = {}
+    for pid, name in runners or engines:
+        try:
+            threads = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                if (thread / "comm").read_text().strip() == name:
+                    waits[int(thread.name)] = schedstat_wait_ns(
+                        (thread / "schedstat").read_text())
+            except (OSError, ValueError):
+                continue
+    return waits
 
 
 @dataclass
@@ -275,16 +306,17 @@ class _Bench:
             members.extend(_members(processes, role, descendants=False))
         return members
 
-    def standalone_cpu(self) -> dict[ProcessKey, float]:
+    def standalone_processes(self) -> list[tuple[psutil.Process, str]]:
         """The bench process (which drives the engines, or waits for the workers to), and
         the engines it drives: its own, or the workers' with their processes."""
         if self.options.standalone_on_workers:
-            return {**_tree_cpu([psutil.Process()], "bench", descendants=False),
-                    **_tree_cpu(self.service_roots(), "worker", descendants=True)}
-        everything = _tree_cpu([psutil.Process()], "bench", descendants=True)
-        service = {pid for pid, _ in _tree_cpu(self.service_roots(), "worker",
-                                               descendants=True)}
-        return {key: seconds for key, seconds in everything.items() if key[0] not in service}
+            return [*_members([psutil.Process()], "bench", descendants=False),
+                    *_members(self.service_roots(), "worker", descendants=True)]
+        service = {member.pid for member, _ in _members(self.service_roots(), "worker",
+                                                        descendants=True)}
+        return [(member, role)
+                for member, role in _members([psutil.Process()], "bench", descendants=True)
+                if member.pid not in service]
 
     def start_engines(self, standalone_first: bool = False) -> None:
         """Start the service's workers and the standalone arm's engines, in either order (of
@@ -350,6 +382,7 @@ class _Bench:
         with client.finish_signal() as signal:
             processes = self.service_processes(self.server_processes())
             before = _cpu_seconds(processes)
+            waits_before = _model_runner_waits(processes)
             steal_before = _steal_now()
             bytes_before = self.redis.info("stats")["total_net_input_bytes"]
             # CPU is sampled at every check and read off at the end, as the standalone arm's is
@@ -363,6 +396,7 @@ class _Bench:
                 sampling_started = time.thread_time()
                 used = cpu_seconds_by_role(before, _cpu_seconds(processes))
                 used[_STEAL] = _steal_now() - steal_before
+                used[_RUNNER_WAIT] = wait_seconds(waits_before, _model_runner_waits(processes))
                 sampling += time.thread_time() - sampling_started
                 used["producer"] -= sampling
                 samples.append((time.time(), used))
@@ -390,6 +424,7 @@ class _Bench:
                                          for moment, used in samples], finished)
                        for role in samples[-1][1]}
         steal = cpu_by_role.pop(_STEAL)
+        runner_wait = cpu_by_role.pop(_RUNNER_WAIT)
         if record:
             totals = self.totals
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -416,7 +451,8 @@ class _Bench:
         return ArmResult(len(ids), finished - started,
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
                          head_seconds=first_claim - started,
-                         tail_seconds=max(0.0, finished - last_engine_finish))
+                         tail_seconds=max(0.0, finished - last_engine_finish),
+                         runner_wait_seconds=runner_wait)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -433,19 +469,22 @@ class _Bench:
         if on_workers:
             self.ask_workers("take_gc_pauses", timeout=5)
         time.sleep(_SETTLE_SECONDS)
-        before = self.standalone_cpu()
+        processes = self.standalone_processes()
+        before = _cpu_seconds(processes)
+        waits_before = _model_runner_waits(processes)
         steal_before = _steal_now()
         run = (engines.run(per_engine, mode) if engines is not None
                else self.run_on_workers(per_engine, mode))
         steal = _steal_now() - steal_before
-        cpu_by_role = cpu_seconds_by_role(before, self.standalone_cpu())
+        runner_wait = wait_seconds(waits_before, _model_runner_waits(processes))
+        cpu_by_role = cpu_seconds_by_role(before, _cpu_seconds(self.standalone_processes()))
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens
             if on_workers:
                 self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
-                         head_seconds=run.head_seconds)
+                         head_seconds=run.head_seconds, runner_wait_seconds=runner_wait)
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -591,6 +630,8 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
             "standalone_head_ms": pair.standalone.head_seconds * 1000,
             "service_head_ms": pair.service.head_seconds * 1000,
             "service_tail_ms": pair.service.tail_seconds * 1000,
+            "standalone_runner_wait_ms": pair.standalone.runner_wait_seconds * 1000,
+            "service_runner_wait_ms": pair.service.runner_wait_seconds * 1000,
         } for pair in pairs],
     }
     if options.json_path:

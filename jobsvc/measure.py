@@ -92,6 +92,21 @@ def steal_seconds(proc_stat: str, ticks_per_second: float) -> float:
     raise ValueError("no aggregate cpu line in /proc/stat text")
 
 
+def schedstat_wait_ns(schedstat: str) -> int:
+    """A thread's cumulative time runnable but waiting for a core, in nanoseconds, from the
+    text of its /proc/<pid>/task/<tid>/schedstat (run time, wait time, time slices)."""
+    fields = schedstat.split()
+    if len(fields) != 3:
+        raise ValueError(f"not a schedstat line: {schedstat!r}")
+    return int(fields[1])
+
+
+def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
+    """Seconds threads waited for a core between two readings of {thread ID: cumulative
+    wait in ns}. A thread born in between counts from zero; one that ended is not counted."""
+    return sum(wait - before.get(thread, 0) for thread, wait in after.items()) / 1e9
+
+
 @dataclass(frozen=True)
 class ArmResult:
     """One arm of one trial."""
@@ -111,6 +126,9 @@ class ArmResult:
     # service records the last results and its producer hears of them (0 for the standalone
     # arm, which ends when its last request returns).
     tail_seconds: float = 0.0
+    # Time the engine's model-running threads spent runnable but without a core while the arm
+    # ran: on a host whose cores the engine keeps busy, what other processes' CPU cost it.
+    runner_wait_seconds: float = 0.0
 
     @property
     def cpu_seconds(self) -> float:
@@ -193,6 +211,11 @@ def summarize_pairs(pairs: Sequence[Pair]
             (pair.service.head_seconds - pair.standalone.head_seconds) / pair.service.seconds
             for pair in pairs]),
         "body_ratio": median([pair.body_ratio for pair in pairs]),
+        # The median time per burst the engines' model-running threads waited for a core, each
+        # arm: the service's extra is what its own processes took from the engines.
+        "runner_wait_ms": {arm: median([getattr(pair, arm).runner_wait_seconds * 1000
+                                        for pair in pairs])
+                           for arm in ("standalone", "service")},
         "service_tail_ms": {"p50": median([pair.service.tail_seconds * 1000 for pair in pairs]),
                             "max": max(pair.service.tail_seconds * 1000 for pair in pairs)},
         # Where each arm's CPU outside the engine went, in milliseconds per job.

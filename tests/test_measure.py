@@ -22,8 +22,10 @@ from jobsvc.measure import (
     outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
+    schedstat_wait_ns,
     steal_seconds,
     summarize_pairs,
+    wait_seconds,
 )
 from jobsvc.workloads import read_jsonl_jobs
 
@@ -127,6 +129,21 @@ def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_bur
     assert summary["extra_head_share"] == pytest.approx(0.005)
     # Without the heads: 9.92 / 9.87, 9.91 / 4.88 and 9.8 / 9.8.
     assert summary["body_ratio"] == pytest.approx(9.92 / 9.87)
+
+
+def test_model_runner_waits_are_read_from_schedstat_and_summed_over_threads_per_arm() -> None:
+    assert schedstat_wait_ns("13944812345 1628900123 135206\n") == 1628900123
+    with pytest.raises(ValueError):
+        schedstat_wait_ns("13944812345 1628900123")
+    # Thread 7 was born between the readings, thread 3 ended.
+    before = {1: 2_000_000_000, 2: 500_000_000, 3: 100_000_000}
+    after = {1: 2_250_000_000, 2: 500_000_000, 7: 40_000_000}
+    assert wait_seconds(before, after) == pytest.approx(0.29)
+    pairs = [Pair(replace(_arm(100, 10.0, 20.0), runner_wait_seconds=wait),
+                  replace(_arm(100, 10.0, 20.0), runner_wait_seconds=wait + extra), False)
+             for wait, extra in ((1.6, 0.4), (1.2, 0.9), (1.8, 0.3))]
+    assert summarize_pairs(pairs)["runner_wait_ms"] == pytest.approx(
+        {"standalone": 1600.0, "service": 2100.0})
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:

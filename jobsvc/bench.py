@@ -191,12 +191,12 @@ def _cpu_seconds(members: Iterable[tuple[psutil.Process, str]]) -> dict[ProcessK
     return times
 
 
-def _model_runner_waits(members: Iterable[tuple[psutil.Process, str]]) -> dict[int, int]:
-    """Cumulative wait for a core (ns) of the threads that run the model, by thread ID: in
-    vLLM's model-runner processes (or, where the engine core runs the model itself, in the
-    engine's processes) the threads named like their process, the main one and OpenMP's.
-    The engine core's other threads spin while a step runs, and their wait costs nothing.
-    Empty where the kernel keeps no scheduler statistics."""
+def _model_runner_threads(members: Iterable[tuple[psutil.Process, str]]) -> list[Path]:
+    """The /proc entries of the threads that run the model: in vLLM's model-runner processes
+    (or, where the engine core runs the model itself, in the engine's processes) the threads
+    named like their process, the main one and OpenMP's. The engine core's other threads spin
+    while a step runs, and their wait costs nothing. Found once per arm, so that a sample
+    taken while the engine runs reads one file per runner thread and no more."""
     engines = []
     for member, role in members:
         if role == ENGINE_ROLE:
@@ -205,7 +205,7 @@ def _model_runner_waits(members: Iterable[tuple[psutil.Process, str]]) -> dict[i
             except psutil.NoSuchProcess:
                 continue
     runners = [engine for engine in engines if engine[1].startswith(MODEL_RUNNER_PREFIX)]
-    waits: dict[int, int] = {}
+    found: list[Path] = []
     for pid, name in runners or engines:
         try:
             threads = list(Path(f"/proc/{pid}/task").iterdir())
@@ -214,10 +214,21 @@ def _model_runner_waits(members: Iterable[tuple[psutil.Process, str]]) -> dict[i
         for thread in threads:
             try:
                 if (thread / "comm").read_text().strip() == name:
-                    waits[int(thread.name)] = schedstat_wait_ns(
-                        (thread / "schedstat").read_text())
-            except (OSError, ValueError):
+                    found.append(thread)
+            except OSError:
                 continue
+    return found
+
+
+def _waits(threads: Iterable[Path]) -> dict[int, int]:
+    """Each thread's cumulative wait for a core (ns), by thread ID; empty where the kernel
+    keeps no scheduler statistics."""
+    waits: dict[int, int] = {}
+    for thread in threads:
+        try:
+            waits[int(thread.name)] = schedstat_wait_ns((thread / "schedstat").read_text())
+        except (OSError, ValueError):
+            continue
     return waits
 
 
@@ -382,7 +393,8 @@ class _Bench:
         with client.finish_signal() as signal:
             processes = self.service_processes(self.server_processes())
             before = _cpu_seconds(processes)
-            waits_before = _model_runner_waits(processes)
+            runners = _model_runner_threads(processes)
+            waits_before = _waits(runners)
             steal_before = _steal_now()
             bytes_before = self.redis.info("stats")["total_net_input_bytes"]
             # CPU is sampled at every check and read off at the end, as the standalone arm's is
@@ -396,7 +408,7 @@ class _Bench:
                 sampling_started = time.thread_time()
                 used = cpu_seconds_by_role(before, _cpu_seconds(processes))
                 used[_STEAL] = _steal_now() - steal_before
-                used[_RUNNER_WAIT] = wait_seconds(waits_before, _model_runner_waits(processes))
+                used[_RUNNER_WAIT] = wait_seconds(waits_before, _waits(runners))
                 sampling += time.thread_time() - sampling_started
                 used["producer"] -= sampling
                 samples.append((time.time(), used))
@@ -471,12 +483,13 @@ class _Bench:
         time.sleep(_SETTLE_SECONDS)
         processes = self.standalone_processes()
         before = _cpu_seconds(processes)
-        waits_before = _model_runner_waits(processes)
+        runners = _model_runner_threads(processes)
+        waits_before = _waits(runners)
         steal_before = _steal_now()
         run = (engines.run(per_engine, mode) if engines is not None
                else self.run_on_workers(per_engine, mode))
         steal = _steal_now() - steal_before
-        runner_wait = wait_seconds(waits_before, _model_runner_waits(processes))
+        runner_wait = wait_seconds(waits_before, _waits(runners))
         cpu_by_role = cpu_seconds_by_role(before, _cpu_seconds(self.standalone_processes()))
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens

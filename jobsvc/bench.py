@@ -66,8 +66,9 @@ SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
 MODEL_RUNNER_PREFIX = "VLLM::Worker"
-# The longest wait between the service arm's checks for its unfinished jobs; it checks at
-# each commit that finishes jobs too. Each check asks only for the jobs still unfinished.
+# The longest wait between the service arm's checks for its unfinished jobs; it checks too
+# once the commits announced since its last check could have finished all of them. Each
+# check asks only for the jobs still unfinished.
 _POLL_SECONDS = 1.0
 # After the check that finds every job finished: how long a notification of the commit that
 # finished the last one may take to arrive, if that commit landed during the check.
@@ -418,14 +419,14 @@ class _Bench:
             started = time.time()
             ids = client.submit_many(jobs)
             bytes_after = self.redis.info("stats")["total_net_input_bytes"]
-            heard: float | None = None
             pending = ids
             while pending:
                 pending = client.unfinished(pending)
                 if pending:
-                    heard = signal.wait(_POLL_SECONDS) or heard
+                    signal.wait(_POLL_SECONDS, jobs=len(pending))
             sample()
-            heard = signal.wait(_LAST_COMMIT_GRACE_SECONDS) or heard
+            signal.wait(_LAST_COMMIT_GRACE_SECONDS)
+            heard = signal.last_heard
             # Before the listening connection closes: its server process then leaves the count.
             sample()
             samples.insert(0, (started, dict.fromkeys(samples[0][1], 0.0)))

@@ -2,14 +2,17 @@
 
 Every statement that finishes jobs sends a PostgreSQL notification (a trigger on the jobs
 table, migration 0004), which the server delivers when (and only if) its transaction
-commits. A waiter listens on its own connection and re-checks its jobs when one arrives, so it
-sees a result within a round trip of its commit and asks the database nothing in between. On
+commits, saying how many jobs the statement finished (migration 0005). A waiter listens on its
+own connection and re-checks its jobs once the notifications since its last check could cover
+every job it still waits for, so it sees its last result within a round trip of the commit
+and asks the database nothing in between. On
 SQLite, which has no notifications, a waiter sleeps between checks, briefly at first and
 longer as the wait goes on."""
 
 from __future__ import annotations
 
 import logging
+import math
 import select
 import time
 from typing import Any
@@ -26,15 +29,29 @@ _FIRST_PAUSE_SECONDS = 0.05
 _PAUSE_GROWTH = 1.5
 
 
+def finished_count(payload: str) -> float:
+    """How many jobs a notification says its statement finished; infinity where it does not
+    say (a database before migration 0005), so that a waiter checks at once."""
+    try:
+        return int(payload.split(" ", 1)[0])
+    except ValueError:
+        return math.inf
+
+
 class FinishSignal:
-    """A waiter's end of the notifications: `wait` returns the moment one arrived, or None
-    when the timeout passed first. Without notifications (on SQLite, or while the listening
+    """A waiter's end of the notifications: `wait` returns the moment the notification arrived
+    that brought the jobs finished since its last return up to those asked for, or None when
+    the timeout passed first. Without notifications (on SQLite, or while the listening
     connection is lost) it returns None after a pause, and the waiter just checks again."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._listening: Any = None
         self._pause = _FIRST_PAUSE_SECONDS
+        # Jobs announced finished since `wait` last returned, and when the latest announcement
+        # arrived.
+        self._finished: float = 0
+        self.last_heard: float | None = None
 
     def __enter__(self) -> FinishSignal:
         self._listen()
@@ -63,28 +80,39 @@ class FinishSignal:
             return
         self._listening = listening
 
-    def _drain(self) -> bool:
-        """Take every notification already received, without waiting; True if there was any
-        (several commits may have landed at once: one check answers them all)."""
-        return sum(1 for _ in self._listening.notifies(timeout=0)) > 0
+    def _drain(self) -> None:
+        """Count every notification already received, without waiting (several commits may
+        have landed at once: one check answers them all)."""
+        for notification in self._listening.notifies(timeout=0):
+            self._finished += finished_count(notification.payload)
+            self.last_heard = time.time()
 
-    def wait(self, timeout: float) -> float | None:
-        """Block until a notification arrives or `timeout` seconds pass."""
+    def wait(self, timeout: float, jobs: int = 1) -> float | None:
+        """Block until notifications since the last return announce at least `jobs` finished
+        jobs (those of other waiters count too: a check too early costs only itself), or
+        `timeout` seconds pass. Every job among `jobs` that finishes after the waiter's last
+        check is announced after this signal's last return, so none can be missed."""
         self._listen()
         if self._listening is None:
             time.sleep(min(timeout, self._pause))
             self._pause *= _PAUSE_GROWTH
             return None
+        deadline = time.monotonic() + timeout
         try:
             # psycopg's own blocking wait for notifications wakes every 0.1 s to look for
             # interrupts; on a host whose cores the engine keeps busy each wakeup takes a core
             # from it. Blocking on the socket wakes only when something arrives.
-            if self._drain():
-                return time.time()
-            readable, _, _ = select.select([self._listening.fileno()], [], [], timeout)
-            arrived = time.time()
-            return arrived if readable and self._drain() else None
+            self._drain()
+            while self._finished < jobs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                select.select([self._listening.fileno()], [], [], remaining)
+                self._drain()
         except (psycopg.Error, OSError) as error:
             log.warning("lost the connection listening for finished jobs (%s)", error)
             self.close()
             return None
+        finally:
+            self._finished = 0
+        return self.last_heard

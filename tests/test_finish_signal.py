@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import update
 
 from jobsvc import Client
+from jobsvc.finish_signal import finished_count
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, JobOutcome, Store, utcnow
@@ -60,6 +61,38 @@ def test_a_claim_that_only_starts_jobs_wakes_nobody(
     with store.finish_signal() as signal:
         assert set(store.claim_batch([job_id], "w", max_attempts=3)) == {job_id}
         assert signal.wait(0.3) is None
+
+
+def test_a_notification_says_how_many_jobs_its_statement_finished() -> None:
+    assert finished_count("3 0b6f3c1e-5d0a-4f43-9a4e-1f2a3b4c5d6e") == 3
+    # A database before the count was added: the waiter must check at once.
+    assert finished_count("") == float("inf")
+
+
+def test_a_waiter_for_several_jobs_sleeps_through_commits_that_cannot_finish_them_all(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    first, second, third = queued_job(), queued_job(), queued_job()
+    with store.finish_signal() as signal:
+        store.fail([first], "no")
+        assert signal.wait(0.5, jobs=2) is None
+        # Counts start again after each return: one more finished job is not two.
+        store.fail([second], "no")
+        assert signal.wait(0.5, jobs=2) is None
+        store.fail([third], "no")
+        assert signal.wait(5, jobs=1) is not None
+
+
+def test_two_statements_of_one_transaction_that_finish_one_job_each_count_as_two(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    first, second = queued_job(), queued_job()
+    with store.finish_signal() as signal:
+        with store.engine.begin() as connection:
+            for job_id in (first, second):
+                connection.execute(update(Job).where(Job.id == job_id).values(status="failed"))
+        asked = time.time()
+        heard = signal.wait(5, jobs=2)
+        assert heard is not None and heard - asked < 5
+        assert signal.last_heard == heard
 
 
 def test_wait_returns_at_the_commit_not_at_its_next_check(

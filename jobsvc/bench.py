@@ -66,9 +66,10 @@ SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
 # vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
 ENGINE_PROCESS_PREFIX = "VLLM::"
 MODEL_RUNNER_PREFIX = "VLLM::Worker"
-# The longest wait between the service arm's checks for its unfinished jobs; it checks too
-# once the commits announced since its last check could have finished all of them. Each
-# check asks only for the jobs still unfinished.
+# The service arm's producer waits as `Client.wait` does by default: it checks its unfinished
+# jobs once the commits announced since its last check could have finished all of them, and
+# at least every `finish_signal.NOTIFIED_CHECK_SECONDS`, or every _POLL_SECONDS without
+# notifications. Each check asks only for the jobs still unfinished.
 _POLL_SECONDS = 1.0
 # After the check that finds every job finished: how long a notification of the commit that
 # finished the last one may take to arrive, if that commit landed during the check.
@@ -423,7 +424,7 @@ class _Bench:
             while pending:
                 pending = client.unfinished(pending)
                 if pending:
-                    signal.wait(_POLL_SECONDS, jobs=len(pending))
+                    signal.wait(signal.check_interval(_POLL_SECONDS), jobs=len(pending))
             sample()
             signal.wait(_LAST_COMMIT_GRACE_SECONDS)
             heard = signal.last_heard

@@ -215,8 +215,9 @@ class Client:
         """Block until every job has finished; return their records in the order given.
         Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID.
         The jobs are checked again once the database has announced as many finished jobs as
-        are still unfinished, and at least every `check_interval` seconds (on SQLite, which
-        announces nothing, after pauses that start at 50 ms and grow to that)."""
+        are still unfinished, and at least every 10 s (or `check_interval` seconds, if
+        longer); without announcements (on SQLite) every `check_interval` seconds, after
+        pauses that start at 50 ms and grow to that."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         # Listen only for jobs not finished yet, then check again: no commit between the
@@ -228,8 +229,9 @@ class Client:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still "
                                            f"unfinished after {timeout} s (first: {pending[0]})")
-                    signal.wait(check_interval if deadline is None else
-                                max(0.0, min(check_interval, deadline - time.monotonic())),
+                    interval = signal.check_interval(check_interval)
+                    signal.wait(interval if deadline is None else
+                                max(0.0, min(interval, deadline - time.monotonic())),
                                 jobs=len(pending))
         records: dict[str, JobRecord] = {}
         for start in range(0, len(ids), _WAIT_CHUNK):

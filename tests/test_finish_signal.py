@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import update
 
 from jobsvc import Client
-from jobsvc.finish_signal import finished_count
+from jobsvc.finish_signal import NOTIFIED_CHECK_SECONDS, finished_count
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, JobOutcome, Store, utcnow
@@ -108,6 +108,15 @@ def test_wait_returns_at_the_commit_not_at_its_next_check(
     assert record.status is JobStatus.CANCELLED
     # Checking only every 30 s, it would have returned after 30 s.
     assert waited < 10
+
+
+def test_a_listening_waiter_checks_by_the_announced_counts_and_rarely_by_the_clock(
+        store: Store, embedded: Store) -> None:
+    with store.finish_signal() as signal:
+        assert signal.check_interval(1.0) == NOTIFIED_CHECK_SECONDS
+        assert signal.check_interval(60.0) == 60.0
+    with embedded.finish_signal() as signal:
+        assert signal.check_interval(1.0) == 1.0
 
 
 def test_on_the_embedded_sqlite_a_waiter_pauses_longer_each_time_up_to_its_timeout(

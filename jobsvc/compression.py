@@ -85,8 +85,10 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return compress(typecode.encode() + ids.tobytes())
 
 
-def unpack_tokens(frame: bytes) -> list[int]:
-    """The token IDs of a frame from `pack_tokens`; anything else raises TokenFrameError."""
+def unpack_tokens(frame: bytes) -> tuple[int, ...]:
+    """The token IDs of a frame from `pack_tokens`; anything else raises TokenFrameError. A
+    tuple, which the garbage collector stops tracking once it has met it (a list it would
+    walk at every collection while the document is in use)."""
     try:
         data = decompress(frame)
     except (zstandard.ZstdError, FrameTooLarge) as error:
@@ -99,7 +101,7 @@ def unpack_tokens(frame: bytes) -> list[int]:
     ids.frombytes(body)
     if sys.byteorder == "big":
         ids.byteswap()
-    return ids.tolist()
+    return tuple(ids)
 
 
 def is_zstd_frame(data: bytes) -> bool:

@@ -169,7 +169,7 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _readable_tokens(key: str, tokens_zst: bytes | None) -> list[int] | None:
+def _readable_tokens(key: str, tokens_zst: bytes | None) -> tuple[int, ...] | None:
     if tokens_zst is None:
         return None
     try:
@@ -321,7 +321,7 @@ class Store:
                 connection.execute(Job.__table__.insert(), list(jobs))
 
     def claim_batch(self, job_ids: Sequence[str], worker: str, max_attempts: int
-                    ) -> dict[str, list[int] | str]:
+                    ) -> dict[str, tuple[int, ...] | str]:
         """Mark a batch's jobs running and read what they run on, in one transaction. Returns
         the jobs that may run (queued ones, and running ones whose earlier delivery never
         finished) with their documents: the recorded tokens or, where none read back, the
@@ -351,11 +351,11 @@ class Store:
                 if (document := documents[key]) is not None}
 
     def _documents(self, connection: Connection, keys: set[str]
-                   ) -> dict[str, list[int] | str | None]:
+                   ) -> dict[str, tuple[int, ...] | str | None]:
         """Each document's tokens, else its text, else None; its text only where needed."""
         if not keys:
             return {}
-        documents: dict[str, list[int] | str | None] = {}
+        documents: dict[str, tuple[int, ...] | str | None] = {}
         for key, tokens_zst in connection.execute(self._document_tokens, {"keys": list(keys)}):
             tokens = _readable_tokens(key, tokens_zst)
             if tokens is not None:

@@ -13,7 +13,7 @@ from jobsvc.compression import TokenFrameError, pack_tokens, unpack_tokens
 
 @given(st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=300))
 def test_token_frames_round_trip_any_ids(tokens: list[int]) -> None:
-    assert unpack_tokens(pack_tokens(tokens)) == tokens
+    assert unpack_tokens(pack_tokens(tokens)) == tuple(tokens)
 
 
 def test_ids_of_a_small_vocabulary_take_two_bytes_each() -> None:

@@ -185,7 +185,7 @@ def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fa
           "estimated_prefill": 4, "submitted_at": utcnow(), "redis_epoch": "e"}
          for name, job_id in jobs.items()])
     assert store.claim_batch([*jobs.values(), uuid.uuid4().hex], "w", max_attempts=3) == {
-        jobs["tokens"]: [5, 6, 7], jobs["tokens-again"]: [5, 6, 7],
+        jobs["tokens"]: (5, 6, 7), jobs["tokens-again"]: (5, 6, 7),
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
     record = store.get_many([jobs["nothing"]])[jobs["nothing"]]
     assert record.status is JobStatus.FAILED
@@ -194,7 +194,7 @@ def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fa
 
 def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve(
         store: Store) -> None:
-    documents = {uuid.uuid4().hex: [index, 1, 2] for index in range(2)}
+    documents = {uuid.uuid4().hex: (index, 1, 2) for index in range(2)}
     jobs = {uuid.uuid4().hex: key for key in documents for _ in range(3)}
     store.record_submitted(
         [{"key": key, "text_zst": compress(b"text"), "tokens_zst": pack_tokens(tokens),
@@ -216,6 +216,11 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
         event.remove(store.engine, "after_cursor_execute", count_document_rows)
     assert read == {job_id: documents[key] for job_id, key in jobs.items()}
     assert document_rows == [2]
+    # A document's questions share one tuple of its tokens: the garbage collector walks each
+    # document once, not once per question.
+    shared = {key: {id(read[job_id]) for job_id, job_key in jobs.items() if job_key == key}
+              for key in documents}
+    assert all(len(objects) == 1 for objects in shared.values())
 
 
 def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(

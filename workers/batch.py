@@ -86,9 +86,8 @@ class BatchRunner:
                ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
         """Claim the message's jobs; return those that run, their engine requests, and what
         each one's cache hit is checked against. Jobs that will not run (cancelled, finished,
-        or failed by the claim) are skipped. The documents' token lists are dropped on
-        return: kept for the whole batch, they would be walked element by element at every
-        collection that met them."""
+        or failed by the claim) are skipped. A document's tokens are one tuple that all its
+        questions' requests share (see EngineRequest)."""
         documents = self._claimed_documents(message.jobs)
         skipped = [job for job in message.jobs if job.job_id not in documents]
         if skipped:
@@ -96,15 +95,14 @@ class BatchRunner:
                      "failed at their claim)", self.shard, len(skipped))
             self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
         jobs = [job for job in message.jobs if job.job_id in documents]
-        requests = [EngineRequest(job.job_id, (*documents[job.job_id], *job.question_tokens),
-                                  job.sampling) for job in jobs]
+        requests = [EngineRequest(job.job_id, documents[job.job_id],
+                                  tuple(job.question_tokens), job.sampling) for job in jobs]
         checks = {request.job_id: CacheCheck(
-            len(request.prompt_token_ids) - job.estimated_prefill,
-            len(documents[job.job_id]))
+            request.prompt_tokens - job.estimated_prefill, len(request.prefix))
             for job, request in zip(jobs, requests, strict=True)}
         return jobs, requests, checks
 
-    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, list[int]]:
+    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, tuple[int, ...]]:
         """Claim these jobs; the document tokens of those that may run, by job ID, from the
         store (messages do not carry documents). A document stored without tokens is
         tokenized here as the producer did."""
@@ -112,7 +110,8 @@ class BatchRunner:
         stored = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
             self._store.claim_batch(job_ids, self.worker_name, self.max_attempts)))
         texts = list(dict.fromkeys(doc for doc in stored.values() if isinstance(doc, str)))
-        tokenized = dict(zip(texts, self._prompts.documents(texts), strict=True))
+        tokenized = {text: tuple(tokens) for text, tokens
+                     in zip(texts, self._prompts.documents(texts), strict=True)}
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
                 for job_id, doc in stored.items()}
 

@@ -37,6 +37,8 @@ STAGGER_SECONDS = 0.015
 
 
 Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings)
+# A job's tokens as the engine takes them: (document, question, sampling settings).
+Prompt = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,9 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
         adapter.reset_prefix_cache()
     burst = next(_bursts)
     started = time.time()
-    prompts_by_engine = [list(zip(_tokenize(prompts, jobs), (job[2] for job in jobs),
-                                  strict=True)) for jobs in jobs_by_engine]
+    prompts_by_engine = [[(*parts, job[2]) for parts, job
+                          in zip(_tokenize(prompts, jobs), jobs, strict=True)]
+                         for jobs in jobs_by_engine]
     admitted = time.time()
     futures = [adapter.schedule(
                    lambda engine, engine_prompts=engine_prompts, tag=f"sa{burst}-{index}":
@@ -120,14 +123,17 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
         cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
 
 
-def _tokenize(prompts: PromptBuilder, jobs: Sequence[Job]) -> list[tuple[int, ...]]:
-    """Prompts as tuples, as the service's workers hand them over: the garbage collector walks
-    every element of a live list at each collection, but stops tracking a tuple of ints the
-    first time it meets one."""
+def _tokenize(prompts: PromptBuilder, jobs: Sequence[Job]
+              ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each job's prompt as its document's tokens (one tuple per document) and its question's,
+    joined only as the engine takes the request, as the service's workers hand them over (see
+    `workers.engine.EngineRequest`)."""
     distinct = list(dict.fromkeys(job[0] for job in jobs))
-    documents = dict(zip(distinct, prompts.documents(distinct), strict=True))
+    documents = {text: tuple(tokens)
+                 for text, tokens in zip(distinct, prompts.documents(distinct), strict=True)}
     questions = prompts.questions([job[1] for job in jobs])
-    return [(*documents[job[0]], *tokens) for job, tokens in zip(jobs, questions, strict=True)]
+    return [(documents[job[0]], tuple(tokens))
+            for job, tokens in zip(jobs, questions, strict=True)]
 
 
 def _grouped(jobs: Sequence[Job]) -> list[Job]:
@@ -137,20 +143,21 @@ def _grouped(jobs: Sequence[Job]) -> list[Job]:
     return [job for group in by_document.values() for job in group]
 
 
-async def _burst(engine: Any, prompts: Sequence[tuple[tuple[int, ...], dict[str, Any]]], mode: str,
-                 chunk: int, tag: str) -> list[Any]:
+async def _burst(engine: Any, prompts: Sequence[Prompt], mode: str, chunk: int, tag: str
+                 ) -> list[Any]:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     params: dict[str, Any] = {}
-    for _, sampling in prompts:
+    for _, _, sampling in prompts:
         key = json.dumps(sampling, sort_keys=True)
         if key not in params:
             params[key] = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    async def one(index: int, prompt: tuple[int, ...], sampling: dict[str, Any]) -> Any:
+    async def one(index: int, document: tuple[int, ...], question: tuple[int, ...],
+                  sampling: dict[str, Any]) -> Any:
         final = None
-        async for output in engine.generate({"prompt_token_ids": prompt},
+        async for output in engine.generate({"prompt_token_ids": document + question},
                                             params[json.dumps(sampling, sort_keys=True)],
                                             f"{tag}-{index}"):
             final = output
@@ -161,7 +168,6 @@ async def _burst(engine: Any, prompts: Sequence[tuple[tuple[int, ...], dict[str,
     for start in range(0, len(prompts), step):
         if start:
             await asyncio.sleep(STAGGER_SECONDS)
-        requests += [asyncio.ensure_future(one(index, prompt, sampling))
-                     for index, (prompt, sampling) in enumerate(prompts[start:start + step],
-                                                                start)]
+        requests += [asyncio.ensure_future(one(index, *prompt))
+                     for index, prompt in enumerate(prompts[start:start + step], start)]
     return await asyncio.gather(*requests)

@@ -68,8 +68,11 @@ class _FastTokenizer:
         self._tokenizer = tokenizer
 
     def encode_many(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        # The fast batch skips character offsets, which nothing here reads: the same IDs for
+        # about two thirds of the CPU (64 documents of ~1,500 tokens: 132-147 ms against
+        # 199-232 ms).
         return [encoding.ids for encoding in
-                self._tokenizer.encode_batch(texts, add_special_tokens=special)]
+                self._tokenizer.encode_batch_fast(texts, add_special_tokens=special)]
 
 
 class _HuggingFaceTokenizer:

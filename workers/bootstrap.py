@@ -34,6 +34,13 @@ def bind_device(settings: Settings, device: str | None) -> None:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# Seconds between a worker's heartbeats. Celery sends them whether or not anything watches,
+# every 2 s by default, each through a Redis client built for the publish: the most frequent
+# work of an idle worker's consumer thread, on cores the engine needs. Monitors (Flower) read
+# the interval off each heartbeat and keep the worker online for twice as long.
+HEARTBEAT_SECONDS = 10
+
+
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     bind_device(settings, device)
     from workers.celery_app import create_worker_app, worker_name
@@ -43,4 +50,5 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
         "worker", "--queues", queue_name(shard), "--pool", "threads",
         "--concurrency", str(settings.worker_concurrency), "--hostname", worker_name(shard),
         "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
+        "--heartbeat-interval", str(HEARTBEAT_SECONDS),
     ])

@@ -133,7 +133,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         worker_concurrency=settings.worker_concurrency,
         worker_pool="threads",
         task_queues=None,
-        # No task events or heartbeats until a monitor asks for them: Flower turns them on
+        # No task events until a monitor asks for them: Flower turns them on
         # when it connects (and every 5 s, for workers started later). Unwatched, they cost
         # the consumer thread about 0.05 ms per job, on cores the engine needs.
         worker_send_task_events=False,

@@ -26,6 +26,7 @@ from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
 from workers import broker_fixes
 from workers.batch import BatchRunner
+from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, engine_args
 from workers.gcpause import GcPauseMeter
 from workers.leases import LeaseKeeper
@@ -50,6 +51,7 @@ class WorkerRuntime:
         self.shard = shard
         self.runner: BatchRunner | None = None
         self.gc_pauses = GcPauseMeter()
+        self.collections = CollectionWindow()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         broker_fixes.install(self._redis)
         self._store = Store(settings.resolved_database_url)
@@ -148,13 +150,14 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         if runtime.runner is None:
             raise RuntimeError("run_batch before the worker started its engine")
         tag = (task.request.properties or {}).get("delivery_tag")
-        if tag is None:
-            return runtime.runner.run(payload)
-        runtime.leases.hold(tag)
-        try:
-            return runtime.runner.run(payload)
-        finally:
-            runtime.leases.release(tag)
+        with runtime.collections.busy():
+            if tag is None:
+                return runtime.runner.run(payload)
+            runtime.leases.hold(tag)
+            try:
+                return runtime.runner.run(payload)
+            finally:
+                runtime.leases.release(tag)
 
     def on_init(**_: Any) -> None:
         log.info("shard %d: starting the engine on queue %s", shard, queue_name(shard))
@@ -197,7 +200,8 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
 
         jobs = [(document, question, sampling)
                 for document, question, sampling in jobs_by_shard[shard]]
-        return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, chunk))
+        with runtime.collections.busy():
+            return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, chunk))
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

@@ -1,10 +1,11 @@
 """The benchmark's baseline: vLLM driven directly, tuned as a careful user would tune it —
-prefix caching on, gc.freeze() after start-up, the same document-to-engine assignment as the
-service, each distinct document tokenized once with the fast tokenizer (inside the timed
-region), each document's questions handed over together, and token prompts admitted in one of
-two styles (all at once, or staggered in chunks at a steady pace). The engines are
-either this process's own or, through a worker's remote-control command, the service
-workers' resident ones."""
+prefix caching on, gc.freeze() after start-up, collections held off while a burst runs (as
+the service's workers hold them off), the same document-to-engine assignment as the service,
+each distinct document tokenized once with the fast tokenizer (inside the timed region), each
+document's questions handed over together, and token prompts admitted in one of two styles
+(all at once, or staggered in chunks at a steady pace). The engines are either this
+process's own or, through a worker's remote-control command, the service workers' resident
+ones."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
 from workers.bootstrap import bind_device
+from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, engine_args
 
 # "all": every request at once; "staggered": `chunk` requests at a time, one chunk every
@@ -74,6 +76,7 @@ class StandaloneEngines:
             self._engines.append(adapter)
         self._prompts = PromptBuilder(settings.model, settings.max_model_len)
         self._prompts.questions(["warm up the tokenizer"])
+        self._collections = CollectionWindow()
         gc.collect()
         gc.freeze()
 
@@ -86,7 +89,8 @@ class StandaloneEngines:
 
     def run(self, jobs_by_engine: Sequence[Sequence[Job]], mode: str,
             chunk: int = STAGGER_CHUNK) -> StandaloneRun:
-        return run_burst(self._engines, self._prompts, jobs_by_engine, mode, chunk)
+        with self._collections.busy():
+            return run_burst(self._engines, self._prompts, jobs_by_engine, mode, chunk)
 
 
 _bursts = itertools.count(1)

@@ -235,12 +235,15 @@ def _waits(threads: Iterable[Path]) -> dict[int, int]:
 
 @dataclass
 class _GcTotals:
-    """Each worker's longest GC pauses and its collections, over the bursts of one arm."""
+    """Each worker's longest GC pauses and its collections, over the bursts of one arm: while
+    it had work in flight, and (`idle_*`) while it had none."""
 
     pause_max_ms: dict[str, float] = field(default_factory=dict)
     pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
     cpu_max_ms: dict[str, float] = field(default_factory=dict)
     collections_by_generation: dict[str, list[int]] = field(default_factory=dict)
+    idle_pause_max_ms: dict[str, float] = field(default_factory=dict)
+    idle_collections: dict[str, int] = field(default_factory=dict)
 
     def add(self, replies: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:
         """Fold in the workers' `take_gc_pauses` readings."""
@@ -250,6 +253,10 @@ class _GcTotals:
                                                 reading["gc_pause_max_ms"])
                 self.cpu_max_ms[worker] = max(self.cpu_max_ms.get(worker, 0.0),
                                               reading["gc_cpu_max_ms"])
+                self.idle_pause_max_ms[worker] = max(self.idle_pause_max_ms.get(worker, 0.0),
+                                                     reading["gc_idle_pause_max_ms"])
+                self.idle_collections[worker] = (self.idle_collections.get(worker, 0)
+                                                 + reading["gc_idle_collections"])
                 by_generation = self.pause_max_ms_by_generation.setdefault(
                     worker, [0.0, 0.0, 0.0])
                 by_generation[:] = map(max, by_generation,
@@ -619,6 +626,8 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "gc_pause_max_ms_by_generation": totals.gc.pause_max_ms_by_generation,
         "gc_cpu_max_ms": totals.gc.cpu_max_ms,
         "gc_collections_by_generation": totals.gc.collections_by_generation,
+        "gc_idle_pause_max_ms": totals.gc.idle_pause_max_ms,
+        "gc_idle_collections": totals.gc.idle_collections,
         "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
         "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
         "standalone_gc_collections_by_generation":

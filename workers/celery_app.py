@@ -50,8 +50,8 @@ class WorkerRuntime:
         self.settings = settings
         self.shard = shard
         self.runner: BatchRunner | None = None
-        self.gc_pauses = GcPauseMeter()
         self.collections = CollectionWindow()
+        self.gc_pauses = GcPauseMeter(working=lambda: self.collections.running)
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         broker_fixes.install(self._redis)
         self._store = Store(settings.resolved_database_url)

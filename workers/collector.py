@@ -34,6 +34,12 @@ class CollectionWindow:
         self._idle_thresholds = gc.get_threshold()
         self._lock = threading.Lock()
 
+    @property
+    def running(self) -> bool:
+        """Whether any batch runs now. Read without the lock: the garbage collector's callbacks
+        ask, and one may run in a thread that holds it."""
+        return self._running > 0
+
     @contextmanager
     def busy(self) -> Iterator[None]:
         with self._lock:

@@ -186,15 +186,19 @@ def test_readings_are_interpolated_at_a_moment_between_samples() -> None:
 
 
 def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() -> None:
-    def reading(pause: float, cpu: float, walls: list[float], counts: list[int]) -> dict[str, Any]:
+    def reading(pause: float, cpu: float, walls: list[float], counts: list[int],
+                idle_pause: float, idle_count: int) -> dict[str, Any]:
         return {"gc_pause_max_ms": pause, "gc_cpu_max_ms": cpu,
-                "gc_pause_max_ms_by_generation": walls, "gc_collections_by_generation": counts}
+                "gc_pause_max_ms_by_generation": walls, "gc_collections_by_generation": counts,
+                "gc_idle_pause_max_ms": idle_pause, "gc_idle_collections": idle_count}
 
     totals = _GcTotals()
-    totals.add([{"shard0": reading(5.0, 2.0, [5.0, 1.0, 0.0], [10, 1, 0])},
-                {"shard1": reading(1.0, 1.0, [1.0, 0.0, 0.0], [3, 0, 0])}])
-    totals.add([{"shard0": reading(3.0, 2.5, [2.0, 3.0, 0.0], [12, 1, 1])}])
+    totals.add([{"shard0": reading(5.0, 2.0, [5.0, 1.0, 0.0], [10, 1, 0], 0.5, 4)},
+                {"shard1": reading(1.0, 1.0, [1.0, 0.0, 0.0], [3, 0, 0], 2.0, 1)}])
+    totals.add([{"shard0": reading(3.0, 2.5, [2.0, 3.0, 0.0], [12, 1, 1], 1.5, 3)}])
     assert totals.pause_max_ms == {"shard0": 5.0, "shard1": 1.0}
     assert totals.cpu_max_ms == {"shard0": 2.5, "shard1": 1.0}
     assert totals.pause_max_ms_by_generation["shard0"] == [5.0, 3.0, 0.0]
     assert totals.collections_by_generation == {"shard0": [22, 2, 1], "shard1": [3, 0, 0]}
+    assert totals.idle_pause_max_ms == {"shard0": 1.5, "shard1": 2.0}
+    assert totals.idle_collections == {"shard0": 7, "shard1": 1}

@@ -108,6 +108,10 @@ class BenchOptions:
     # same engine, and a difference in speed between engine instances cannot enter the ratio.
     # Otherwise the bench process starts engines of its own for the standalone arm.
     standalone_on_workers: bool = True
+    # A/A run: the standalone arm also takes the service's place in every pair, so the ratios
+    # show what this host's noise alone does to them (the spread a service with no overhead
+    # at all would measure here).
+    standalone_twice: bool = False
 
 
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
@@ -519,6 +523,14 @@ class _Bench:
                          head_seconds=run.head_seconds, runner_wait_seconds=runner_wait)
 
 
+    def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+                         mode: str) -> ArmResult:
+        """The service arm, or in an A/A run (`standalone_twice`) the standalone arm again."""
+        if self.options.standalone_twice:
+            return self.run_standalone(jobs, shape, mode)
+        return self.run_service(client, jobs, shape)
+
+
 def _timestamp(moment: datetime | None) -> float:
     if moment is None:
         raise ValueError("a finished job without timestamps")
@@ -580,11 +592,11 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
             bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
         service_first = trial % 2 == 0
         if service_first:
-            service = bench.run_service(client, jobs, shape)
+            service = bench.run_service_slot(client, jobs, shape, mode)
             standalone = bench.run_standalone(jobs, shape, mode)
         else:
             standalone = bench.run_standalone(jobs, shape, mode)
-            service = bench.run_service(client, jobs, shape)
+            service = bench.run_service_slot(client, jobs, shape, mode)
         pair = Pair(standalone, service, service_first)
         pairs.append(pair)
         progress(f"pair {trial}/{options.trials}: service {service.requests_per_second:.2f} "
@@ -600,12 +612,11 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
 def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
             ideal_rates: list[float], bytes_raw: list[int]) -> dict[str, Any]:
     totals, options = bench.totals, bench.options
-    shard_jobs = totals.shard_jobs
-    mean_jobs = sum(shard_jobs) / len(shard_jobs)
     result: dict[str, Any] = {
         "workload": options.workload,
         "shards": bench.settings.shards,
         "policy": bench.settings.routing,
+        "arms": "standalone/standalone" if options.standalone_twice else "service/standalone",
         "trials": len(pairs),
         "jobs_per_trial": pairs[0].service.jobs,
         "output_tokens": options.output_tokens,
@@ -614,13 +625,33 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "standalone_admission": mode,
         "admission_calibration_rps": calibration,
         **summarize_pairs(pairs),
-        "hit_rate": totals.cached_tokens / max(totals.prompt_tokens, 1),
         "standalone_hit_rate": (totals.standalone_cached_tokens
                                 / max(totals.standalone_prompt_tokens, 1)),
         "ideal_hit_rate": sum(ideal_rates) / len(ideal_rates),
+        "bytes_raw": sum(bytes_raw) // len(bytes_raw),
+        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
+        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
+        "standalone_gc_collections_by_generation":
+            totals.standalone_gc.collections_by_generation,
+        **({} if options.standalone_twice else _service_figures(totals)),
+        "pairs": [_pair_figures(pair) for pair in pairs],
+    }
+    if options.json_path:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if options.plot_path:
+        plot_pairs(result, options.plot_path)
+    return result
+
+
+def _service_figures(totals: _Totals) -> dict[str, Any]:
+    """What only the service arm has: its queue, database, routing and worker collections."""
+    shard_jobs = totals.shard_jobs
+    mean_jobs = sum(shard_jobs) / len(shard_jobs)
+    return {
+        "hit_rate": totals.cached_tokens / max(totals.prompt_tokens, 1),
         "shard_jobs": shard_jobs,
         "load_max_over_mean": max(shard_jobs) / mean_jobs if mean_jobs else 0.0,
-        "bytes_raw": sum(bytes_raw) // len(bytes_raw),
         "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
         "gc_pause_max_ms": totals.gc.pause_max_ms,
         "gc_pause_max_ms_by_generation": totals.gc.pause_max_ms_by_generation,
@@ -628,10 +659,6 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "gc_collections_by_generation": totals.gc.collections_by_generation,
         "gc_idle_pause_max_ms": totals.gc.idle_pause_max_ms,
         "gc_idle_collections": totals.gc.idle_collections,
-        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
-        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
-        "standalone_gc_collections_by_generation":
-            totals.standalone_gc.collections_by_generation,
         "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
                                   "p99": percentile(totals.admission_ms, 0.99)},
         "engine_finish_to_recorded_ms": {
@@ -641,39 +668,37 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
             "p50": percentile(totals.heard_after_recorded_ms, 0.5),
             "max": max(totals.heard_after_recorded_ms)} if totals.heard_after_recorded_ms else None,
         "service_jobs_not_succeeded": totals.failed,
-        "pairs": [{
-            "order": "service-first" if pair.service_first else "standalone-first",
-            "ratio": pair.ratio,
-            "body_ratio": pair.body_ratio,
-            "standalone_rps": pair.standalone.requests_per_second,
-            "service_rps": pair.service.requests_per_second,
-            "standalone_tokens_per_s": pair.standalone.tokens_per_second,
-            "service_tokens_per_s": pair.service.tokens_per_second,
-            "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,
-            "service_cpu_s_per_job": pair.service.cpu_seconds_per_job,
-            "standalone_outside_engine_cpu_s_per_job":
-                pair.standalone.outside_engine_cpu_seconds_per_job,
-            "service_outside_engine_cpu_s_per_job":
-                pair.service.outside_engine_cpu_seconds_per_job,
-            "standalone_outside_engine_cpu_ms_per_job_by_role":
-                outside_engine_ms_per_job_by_role([pair.standalone]),
-            "service_outside_engine_cpu_ms_per_job_by_role":
-                outside_engine_ms_per_job_by_role([pair.service]),
-            "standalone_steal_s": pair.standalone.steal_seconds,
-            "service_steal_s": pair.service.steal_seconds,
-            "standalone_head_ms": pair.standalone.head_seconds * 1000,
-            "service_head_ms": pair.service.head_seconds * 1000,
-            "service_tail_ms": pair.service.tail_seconds * 1000,
-            "standalone_runner_wait_ms": pair.standalone.runner_wait_seconds * 1000,
-            "service_runner_wait_ms": pair.service.runner_wait_seconds * 1000,
-        } for pair in pairs],
     }
-    if options.json_path:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    if options.plot_path:
-        plot_pairs(result, options.plot_path)
-    return result
+
+
+def _pair_figures(pair: Pair) -> dict[str, Any]:
+    """One pair as the JSON reports it: both arms side by side, so an outlier can be read."""
+    return {
+        "order": "service-first" if pair.service_first else "standalone-first",
+        "ratio": pair.ratio,
+        "body_ratio": pair.body_ratio,
+        "standalone_rps": pair.standalone.requests_per_second,
+        "service_rps": pair.service.requests_per_second,
+        "standalone_tokens_per_s": pair.standalone.tokens_per_second,
+        "service_tokens_per_s": pair.service.tokens_per_second,
+        "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,
+        "service_cpu_s_per_job": pair.service.cpu_seconds_per_job,
+        "standalone_outside_engine_cpu_s_per_job":
+            pair.standalone.outside_engine_cpu_seconds_per_job,
+        "service_outside_engine_cpu_s_per_job":
+            pair.service.outside_engine_cpu_seconds_per_job,
+        "standalone_outside_engine_cpu_ms_per_job_by_role":
+            outside_engine_ms_per_job_by_role([pair.standalone]),
+        "service_outside_engine_cpu_ms_per_job_by_role":
+            outside_engine_ms_per_job_by_role([pair.service]),
+        "standalone_steal_s": pair.standalone.steal_seconds,
+        "service_steal_s": pair.service.steal_seconds,
+        "standalone_head_ms": pair.standalone.head_seconds * 1000,
+        "service_head_ms": pair.service.head_seconds * 1000,
+        "service_tail_ms": pair.service.tail_seconds * 1000,
+        "standalone_runner_wait_ms": pair.standalone.runner_wait_seconds * 1000,
+        "service_runner_wait_ms": pair.service.runner_wait_seconds * 1000,
+    }
 
 
 def plot_pairs(result: dict[str, Any], path: Path) -> None:

@@ -49,7 +49,8 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            words=args.words, output_tokens=args.output_tokens,
                            json_path=args.json, plot_path=args.plot,
                            fresh_engines=args.fresh_engines,
-                           standalone_on_workers=not args.own_standalone_engines)
+                           standalone_on_workers=not args.own_standalone_engines,
+                           standalone_twice=args.standalone_twice)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give the standalone arm engines of its own in the bench process "
                             "(by default it drives the service workers' engines directly, so "
                             "both arms meet the same engine)")
+    bench.add_argument("--standalone-twice", action="store_true",
+                       help="A/A run: the standalone arm in both places of every pair, to "
+                            "see the spread of ratios this host's noise alone produces")
     bench.set_defaults(run=_bench)
     simulate = commands.add_parser(
         "simulate", help="replay a workload over simulated shards under one routing policy")

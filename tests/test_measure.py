@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from jobsvc.bench import BenchOptions, _GcTotals, bench_jobs
+from jobsvc.bench import BenchOptions, _GcTotals, _report, _Totals, bench_jobs
 from jobsvc.errors import InvalidJob
 from jobsvc.measure import (
     ENGINE_ROLE,
@@ -202,3 +203,40 @@ def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() ->
     assert totals.collections_by_generation == {"shard0": [22, 2, 1], "shard1": [3, 0, 0]}
     assert totals.idle_pause_max_ms == {"shard0": 1.5, "shard1": 2.0}
     assert totals.idle_collections == {"shard0": 7, "shard1": 1}
+
+
+def _report_of(totals: _Totals, standalone_twice: bool) -> dict[str, Any]:
+    arm = ArmResult(jobs=4, seconds=2.0, output_tokens=64,
+                    cpu_by_role={ENGINE_ROLE: 3.0, "worker": 0.2})
+    slower = replace(arm, seconds=2.5)
+    pairs = [Pair(arm, slower, service_first=False), Pair(slower, arm, service_first=True)]
+    bench = SimpleNamespace(totals=totals,
+                            options=BenchOptions(standalone_twice=standalone_twice),
+                            settings=SimpleNamespace(shards=1, routing="cache_aware"))
+    return _report(bench, pairs, "all", {"all": 2.0}, ideal_rates=[0.5, 0.7],  # type: ignore[arg-type]
+                   bytes_raw=[1000, 3000])
+
+
+def test_an_a_a_report_gives_the_ratios_and_leaves_out_what_only_the_service_has() -> None:
+    report = _report_of(_Totals(), standalone_twice=True)
+    assert report["arms"] == "standalone/standalone"
+    assert report["min_ratio"] == pytest.approx(0.8)
+    assert report["max_ratio"] == pytest.approx(1.25)
+    assert report["ideal_hit_rate"] == pytest.approx(0.6)
+    assert report["bytes_raw"] == 2000
+    assert [pair["order"] for pair in report["pairs"]] == ["standalone-first", "service-first"]
+    for service_only in ("hit_rate", "bytes_enqueued", "gc_pause_max_ms",
+                         "queue_to_admission_ms", "shard_jobs"):
+        assert service_only not in report
+
+
+def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
+    totals = _Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[6, 2],
+                     admission_ms=[10.0, 20.0, 30.0], bytes_enqueued=[100, 300])
+    report = _report_of(totals, standalone_twice=False)
+    assert report["arms"] == "service/standalone"
+    assert report["hit_rate"] == pytest.approx(0.7)
+    assert report["load_max_over_mean"] == pytest.approx(1.5)
+    assert report["bytes_enqueued"] == 200
+    assert report["queue_to_admission_ms"]["p50"] == pytest.approx(20.0)
+    assert report["engine_finish_to_recorded_ms"] is None

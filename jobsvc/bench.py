@@ -599,7 +599,8 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
             service = bench.run_service_slot(client, jobs, shape, mode)
         pair = Pair(standalone, service, service_first)
         pairs.append(pair)
-        progress(f"pair {trial}/{options.trials}: service {service.requests_per_second:.2f} "
+        slot = "standalone again" if options.standalone_twice else "service"
+        progress(f"pair {trial}/{options.trials}: {slot} {service.requests_per_second:.2f} "
                  f"req/s, standalone {standalone.requests_per_second:.2f} req/s, "
                  f"ratio {pair.ratio:.4f}; CPU s/job {service.cpu_seconds_per_job:.4f} vs "
                  f"{standalone.cpu_seconds_per_job:.4f}, outside the engine "

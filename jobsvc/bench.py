@@ -379,12 +379,13 @@ class _Bench:
     def run_on_workers(self, jobs_by_shard: list[list[tuple[str, str, dict[str, Any]]]],
                        mode: str) -> StandaloneRun:
         """One standalone burst on the workers' own engines, every shard at once."""
-        from workers.standalone import STAGGER_CHUNK, StandaloneRun
+        from workers.standalone import StandaloneRun
 
         replies = [reading for reply in self.ask_workers(
                        "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
                        arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
-                                  "chunk": STAGGER_CHUNK})
+                                  "chunk": self.settings.admission_chunk,
+                                  "pause_ms": self.settings.admission_pause_ms})
                    for reading in reply.values()]
         if len(replies) != len(self.workers.processes):
             raise RuntimeError(f"{len(replies)} of {len(self.workers.processes)} workers "

@@ -50,6 +50,11 @@ class Settings:
     # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
     # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
     worker_concurrency: int = 8
+    # A batch's requests enter the engine this many at a time, one chunk every pause (0: all
+    # at once). On a 2-core CPU host, 256 reuse jobs paced 32 every 15 ms ran a median 3.6 %
+    # faster than all at once, ahead in 14 of 16 alternated pairs (see the README).
+    admission_chunk: int = 32
+    admission_pause_ms: float = 15.0
     zstd_level: int = 3
     max_document_chars: int = 2_000_000
     max_question_chars: int = 20_000
@@ -102,6 +107,9 @@ class Settings:
         if self.block_size < 1 or self.batch_size < 1 or self.worker_concurrency < 1:
             raise ConfigurationError(
                 "JOBSVC_BLOCK_SIZE, JOBSVC_BATCH_SIZE and JOBSVC_WORKER_CONCURRENCY must be >= 1")
+        if self.admission_chunk < 0 or self.admission_pause_ms < 0:
+            raise ConfigurationError(
+                "JOBSVC_ADMISSION_CHUNK and JOBSVC_ADMISSION_PAUSE_MS must be >= 0")
         if self.visibility_timeout < 3 or self.max_attempts < 1 or self.requeue_interval < 1:
             raise ConfigurationError("JOBSVC_VISIBILITY_TIMEOUT must be >= 3 and "
                                      "JOBSVC_MAX_ATTEMPTS, JOBSVC_REQUEUE_INTERVAL >= 1")

@@ -25,7 +25,9 @@ def test_settings_read_typed_values_from_the_environment() -> None:
 
 @pytest.mark.parametrize("environ", [{"JOBSVC_SHARDS": "two"}, {"JOBSVC_SHARDS": "0"},
                                      {"JOBSVC_ENFORCE_EAGER": "maybe"},
-                                     {"JOBSVC_ZSTD_LEVEL": "40"}, {"JOBSVC_DTYPE": "fp8"}])
+                                     {"JOBSVC_ZSTD_LEVEL": "40"}, {"JOBSVC_DTYPE": "fp8"},
+                                     {"JOBSVC_ADMISSION_CHUNK": "-1"},
+                                     {"JOBSVC_ADMISSION_PAUSE_MS": "-5"}])
 def test_bad_settings_are_refused_with_the_variable_named(environ: dict[str, str]) -> None:
     with pytest.raises(ConfigurationError, match="JOBSVC_"):
         Settings.from_env(environ)

@@ -15,7 +15,7 @@ from jobsvc.workloads import document, question
 def _burst(settings: Settings, jobs: list[list[Any]], mode: str) -> dict[str, Any]:
     replies = make_celery(settings).control.broadcast(
         "run_standalone_burst", arguments={"jobs_by_shard": [jobs], "mode": mode,
-                                           "chunk": 2},
+                                           "chunk": 2, "pause_ms": 15.0},
         reply=True, timeout=180, limit=1)
     assert len(replies) == 1, replies
     (reading,) = replies[0].values()

@@ -27,7 +27,7 @@ from jobsvc.transport import RUN_BATCH_TASK, make_celery
 from workers import broker_fixes
 from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
-from workers.engine import EngineAdapter, engine_args
+from workers.engine import EngineAdapter, Pacing, engine_args
 from workers.gcpause import GcPauseMeter
 from workers.leases import LeaseKeeper
 from workers.recorder import ResultRecorder
@@ -55,7 +55,8 @@ class WorkerRuntime:
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         broker_fixes.install(self._redis)
         self._store = Store(settings.resolved_database_url)
-        self.engine = EngineAdapter(engine_args(settings), on_engine_dead=self._engine_died)
+        self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
+                                    on_engine_dead=self._engine_died)
         self._feedback = CacheFeedback(self._redis)
         self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
                                         self._feedback, settings.block_size)
@@ -190,9 +191,10 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def take_gc_pauses(_state: Any) -> dict[str, float]:
         return runtime.gc_pauses.take()
 
-    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("chunk", int)])
+    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("chunk", int),
+                           ("pause_ms", float)])
     def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]], mode: str,
-                             chunk: int) -> dict[str, float]:
+                             chunk: int, pause_ms: float) -> dict[str, float]:
         """Drive this worker's engine directly with this shard's share of a burst, bypassing
         queue and database: the benchmark's standalone arm on the very engine the service arm
         uses. The consumer waits meanwhile, so no batch runs beside the burst."""
@@ -201,7 +203,8 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         jobs = [(document, question, sampling)
                 for document, question, sampling in jobs_by_shard[shard]]
         with runtime.collections.busy():
-            return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode, chunk))
+            return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode,
+                                    Pacing(chunk, pause_ms / 1000)))
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

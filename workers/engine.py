@@ -1,9 +1,9 @@
 """The engine adapter: one resident vLLM AsyncLLM on its own event-loop thread.
 
 Celery task threads hand whole micro-batches over with one `run_coroutine_threadsafe` each;
-inside the loop every job becomes its own request at once, so the engine keeps admitting new
-work while earlier requests generate (no batch barrier). vLLM is imported only here, after the
-worker has bound its device."""
+inside the loop every job becomes its own request, started a chunk at a time at a steady pace,
+so the engine keeps admitting new work while earlier requests generate (no batch barrier).
+vLLM is imported only here, after the worker has bound its device."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -55,6 +55,30 @@ class EngineResult:
     finished_at: float
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How a batch's requests enter the engine: `chunk` at a time, `pause_seconds` apart.
+    A chunk of 0 starts them all at once."""
+
+    chunk: int = 0
+    pause_seconds: float = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Pacing:
+        return cls(settings.admission_chunk, settings.admission_pause_ms / 1000)
+
+
+async def gather_paced(requests: Sequence[Awaitable[T]], pacing: Pacing) -> list[T]:
+    """Start the requests a chunk at a time, one chunk every pause, and wait for them all."""
+    step = pacing.chunk if pacing.chunk > 0 else max(1, len(requests))
+    started: list[asyncio.Future[T]] = []
+    for start in range(0, len(requests), step):
+        if start:
+            await asyncio.sleep(pacing.pause_seconds)
+        started += [asyncio.ensure_future(request) for request in requests[start:start + step]]
+    return await asyncio.gather(*started)
+
+
 def engine_args(settings: Settings) -> dict[str, Any]:
     """vLLM engine arguments from settings: prefix caching on, block size shared with routing."""
     args: dict[str, Any] = {
@@ -73,9 +97,14 @@ def engine_args(settings: Settings) -> dict[str, Any]:
 
 
 class EngineAdapter:
-    def __init__(self, engine_args: dict[str, Any],
+    def __init__(self, engine_args: dict[str, Any], pacing: Pacing = Pacing(),
                  on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         self._engine_args = engine_args
+        self._pacing = pacing
+        # Jobs of admitted batches whose requests wait for their chunk's turn, and those of
+        # them cancelled meanwhile: a withdrawn job never reaches the engine. Loop thread only.
+        self._waiting: set[str] = set()
+        self._withdrawn: set[str] = set()
         # Called (on the loop thread) when the engine has died: its requests will never
         # finish, so the owner must stop rather than record them as failed.
         self._on_engine_dead = on_engine_dead
@@ -138,7 +167,13 @@ class EngineAdapter:
         return self._engine is not None and bool(self._engine.errored)
 
     def abort(self, job_id: str) -> None:
-        asyncio.run_coroutine_threadsafe(self._engine.abort(job_id), self._loop)
+        asyncio.run_coroutine_threadsafe(self._abort(job_id), self._loop)
+
+    async def _abort(self, job_id: str) -> None:
+        if job_id in self._waiting:
+            self._withdrawn.add(job_id)
+        else:
+            await self._engine.abort(job_id)
 
     def shutdown(self) -> None:
         """Stop the loop, then the engine and its processes."""
@@ -155,6 +190,7 @@ class EngineAdapter:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        self._waiting.update(request.job_id for request in requests)
         # Jobs in a batch usually share their sampling settings: build each distinct one once.
         keys = [json.dumps(request.sampling, sort_keys=True) for request in requests]
         params: dict[str, Any] = {}
@@ -165,12 +201,18 @@ class EngineAdapter:
                                                  output_kind=RequestOutputKind.FINAL_ONLY)
                 except Exception as error:
                     params[key] = error
-        await asyncio.gather(*(self._run_one(request, params[key], on_result)
-                               for key, request in zip(keys, requests, strict=True)))
+        await gather_paced([self._run_one(request, params[key], on_result)
+                            for key, request in zip(keys, requests, strict=True)], self._pacing)
 
     async def _run_one(self, request: EngineRequest, params: Any,
                        on_result: Callable[[EngineResult], None]) -> None:
         prompt_tokens = request.prompt_tokens
+        self._waiting.discard(request.job_id)
+        if request.job_id in self._withdrawn:
+            self._withdrawn.discard(request.job_id)
+            on_result(_no_output(request.job_id, prompt_tokens,
+                                 "cancelled before it reached the engine"))
+            return
         if isinstance(params, Exception):
             on_result(_failure(request.job_id, prompt_tokens, params))
             return
@@ -189,8 +231,7 @@ class EngineAdapter:
             return
         completion = final.outputs[0] if final is not None and final.outputs else None
         if completion is None or completion.finish_reason == "abort":
-            on_result(EngineResult(request.job_id, None, "aborted in the engine",
-                                   prompt_tokens, 0, 0, time.time()))
+            on_result(_no_output(request.job_id, prompt_tokens, "aborted in the engine"))
             return
         on_result(EngineResult(request.job_id, completion.text, None, prompt_tokens,
                                len(completion.token_ids), final.num_cached_tokens or 0,
@@ -198,5 +239,9 @@ class EngineAdapter:
 
 
 def _failure(job_id: str, prompt_tokens: int, error: BaseException) -> EngineResult:
-    return EngineResult(job_id, None, f"{type(error).__name__}: {error}", prompt_tokens, 0, 0,
-                        time.time())
+    return _no_output(job_id, prompt_tokens, f"{type(error).__name__}: {error}")
+
+
+def _no_output(job_id: str, prompt_tokens: int, reason: str) -> EngineResult:
+    """A job that produced nothing, and why."""
+    return EngineResult(job_id, None, reason, prompt_tokens, 0, 0, time.time())

@@ -3,13 +3,12 @@ prefix caching on, gc.freeze() after start-up, collections held off while a burs
 the service's workers hold them off), the same document-to-engine assignment as the service,
 each distinct document tokenized once with the fast tokenizer (inside the timed region), each
 document's questions handed over together, and token prompts admitted in one of two styles
-(all at once, or staggered in chunks at a steady pace). The engines are either this
-process's own or, through a worker's remote-control command, the service workers' resident
-ones."""
+(all at once, or staggered in chunks at a steady pace as the service's workers admit them).
+The engines are either this process's own or, through a worker's remote-control command, the
+service workers' resident ones."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import itertools
 import json
@@ -22,20 +21,16 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
 from workers.bootstrap import bind_device
 from workers.collector import CollectionWindow
-from workers.engine import EngineAdapter, engine_args
+from workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
 
-# "all": every request at once; "staggered": `chunk` requests at a time, one chunk every
-# STAGGER_SECONDS. Either way each document's questions are made adjacent first, as the
-# service's batches make them: handed over interleaved, a reused document's later questions
-# reach the engine far from its first, and the engine ends the burst decoding many of them at
-# once on slow steps.
+# "all": every request at once; "staggered": paced as the service's workers pace a batch
+# (`workers.engine.Pacing`, from JOBSVC_ADMISSION_CHUNK and JOBSVC_ADMISSION_PAUSE_MS). Either
+# way each document's questions are made adjacent first, as the service's batches make them:
+# handed over interleaved, a reused document's later questions reach the engine far from its
+# first, and the engine ends the burst decoding many of them at once on slow steps. A bound on
+# requests in flight instead (64 at a time) was slower than either style, so the staggered
+# style paces rather than bounds.
 ADMISSION_MODES = ("all", "staggered")
-# Chunks of 32 a step's worth apart: on one host this beat handing a 256-job burst over at once
-# in 5 of 7 engine-level pairs (median 1.057); on another the two tied. A bound on requests in
-# flight instead (64 at a time) was slower than either, so the staggered style paces rather
-# than bounds.
-STAGGER_CHUNK = 32
-STAGGER_SECONDS = 0.015
 
 
 Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings)
@@ -68,6 +63,7 @@ class StandaloneEngines:
     """One AsyncLLM per shard in this process, each bound to its own cores."""
 
     def __init__(self, settings: Settings, devices: Sequence[str | None]) -> None:
+        self._pacing = Pacing.from_settings(settings)
         self._engines: list[EngineAdapter] = []
         for device in devices:
             bind_device(settings, device)
@@ -87,23 +83,24 @@ class StandaloneEngines:
         # process do not pile up behind it.
         gc.unfreeze()
 
-    def run(self, jobs_by_engine: Sequence[Sequence[Job]], mode: str,
-            chunk: int = STAGGER_CHUNK) -> StandaloneRun:
+    def run(self, jobs_by_engine: Sequence[Sequence[Job]], mode: str) -> StandaloneRun:
         with self._collections.busy():
-            return run_burst(self._engines, self._prompts, jobs_by_engine, mode, chunk)
+            return run_burst(self._engines, self._prompts, jobs_by_engine, mode, self._pacing)
 
 
 _bursts = itertools.count(1)
 
 
 def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
-              jobs_by_engine: Sequence[Sequence[Job]], mode: str,
-              chunk: int = STAGGER_CHUNK) -> StandaloneRun:
-    """Run one burst of jobs on every engine at once, each engine from a cold prefix cache.
-    The engines may be this process's own or a service worker's resident one: the bench can
-    drive a worker's engine directly, so that both arms of a pair meet the same engine."""
+              jobs_by_engine: Sequence[Sequence[Job]], mode: str, pacing: Pacing
+              ) -> StandaloneRun:
+    """Run one burst of jobs on every engine at once, each engine from a cold prefix cache,
+    staggered with `pacing` or all at once. The engines may be this process's own or a
+    service worker's resident one: the bench can drive a worker's engine directly, so that
+    both arms of a pair meet the same engine."""
     if mode not in ADMISSION_MODES:
         raise ValueError(f"admission mode must be one of {ADMISSION_MODES}")
+    pacing = pacing if mode == "staggered" else Pacing()
     jobs_by_engine = [_grouped(jobs) for jobs in jobs_by_engine]
     for adapter in engines:
         adapter.reset_prefix_cache()
@@ -115,7 +112,7 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
     admitted = time.time()
     futures = [adapter.schedule(
                    lambda engine, engine_prompts=engine_prompts, tag=f"sa{burst}-{index}":
-                   _burst(engine, engine_prompts, mode, chunk, tag))
+                   _burst(engine, engine_prompts, pacing, tag))
                for index, (adapter, engine_prompts) in enumerate(
                    zip(engines, prompts_by_engine, strict=True))]
     outputs = [output for future in futures for output in future.result()]
@@ -147,7 +144,7 @@ def _grouped(jobs: Sequence[Job]) -> list[Job]:
     return [job for group in by_document.values() for job in group]
 
 
-async def _burst(engine: Any, prompts: Sequence[Prompt], mode: str, chunk: int, tag: str
+async def _burst(engine: Any, prompts: Sequence[Prompt], pacing: Pacing, tag: str
                  ) -> list[Any]:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -167,11 +164,5 @@ async def _burst(engine: Any, prompts: Sequence[Prompt], mode: str, chunk: int, 
             final = output
         return final
 
-    step = max(1, chunk) if mode == "staggered" else max(1, len(prompts))
-    requests: list[asyncio.Task[Any]] = []
-    for start in range(0, len(prompts), step):
-        if start:
-            await asyncio.sleep(STAGGER_SECONDS)
-        requests += [asyncio.ensure_future(one(index, *prompt))
-                     for index, prompt in enumerate(prompts[start:start + step], start)]
-    return await asyncio.gather(*requests)
+    return await gather_paced([one(index, *prompt) for index, prompt in enumerate(prompts)],
+                              pacing)

@@ -1,0 +1,80 @@
+"""How a batch's requests enter the engine: a chunk at a time, one chunk every pause."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from unittest import mock
+
+from jobsvc.settings import Settings
+from workers.bootstrap import bind_device
+from workers.engine import (
+    EngineAdapter,
+    EngineRequest,
+    EngineResult,
+    Pacing,
+    engine_args,
+    gather_paced,
+)
+
+
+def _start_times(count: int, pacing: Pacing) -> tuple[list[int], list[float]]:
+    """Each request's result (its index) and the moment it started, from the first start."""
+    starts: list[float] = []
+
+    async def request(index: int) -> int:
+        starts.append(time.monotonic())
+        await asyncio.sleep(0)
+        return index
+
+    async def run() -> list[int]:
+        return await gather_paced([request(index) for index in range(count)], pacing)
+
+    results = asyncio.run(run())
+    return results, [start - starts[0] for start in starts]
+
+
+def test_requests_start_a_chunk_at_a_time_one_pause_apart_and_all_results_come_back() -> None:
+    results, starts = _start_times(7, Pacing(chunk=3, pause_seconds=0.2))
+    assert results == list(range(7))
+    # Chunks [0, 1, 2], [3, 4, 5], [6]: each starts together, the next a pause later.
+    assert max(starts[:3]) < 0.1
+    assert starts[3] >= 0.2 and max(starts[3:6]) - starts[3] < 0.1
+    assert starts[6] - starts[3] >= 0.2
+
+
+def test_a_chunk_of_zero_starts_every_request_at_once() -> None:
+    results, starts = _start_times(50, Pacing())
+    assert results == list(range(50))
+    assert max(starts) < 0.1
+
+
+def test_pacing_comes_from_the_admission_settings() -> None:
+    settings = Settings.from_env({"JOBSVC_ADMISSION_CHUNK": "8",
+                                  "JOBSVC_ADMISSION_PAUSE_MS": "20"})
+    assert Pacing.from_settings(settings) == Pacing(8, 0.02)
+
+
+def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
+        settings: Settings) -> None:
+    """A real engine, one request per chunk two seconds apart: the second job is cancelled
+    while the first runs, and ends without having started."""
+    sampling = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    requests = [EngineRequest("first", (5, 6, 7), (8,), sampling),
+                EngineRequest("second", (5, 6, 7), (9,), sampling)]
+    with mock.patch.dict(os.environ):
+        bind_device(settings, "0-1")
+        adapter = EngineAdapter(engine_args(settings), Pacing(chunk=1, pause_seconds=2.0))
+        adapter.start()
+    results: list[EngineResult] = []
+    try:
+        batch = adapter.submit(requests, results.append)
+        adapter.abort("second")
+        batch.result(timeout=120)
+    finally:
+        adapter.shutdown()
+    by_job = {result.job_id: result for result in results}
+    assert (by_job["first"].error, by_job["first"].completion_tokens) == (None, 4)
+    assert by_job["second"].error == "cancelled before it reached the engine"
+    assert by_job["second"].completion_tokens == 0

@@ -7,6 +7,7 @@ import os
 import time
 from unittest import mock
 
+from jobsvc.local import shard_devices
 from jobsvc.settings import Settings
 from workers.bootstrap import bind_device
 from workers.engine import (
@@ -64,7 +65,7 @@ def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
     requests = [EngineRequest("first", (5, 6, 7), (8,), sampling),
                 EngineRequest("second", (5, 6, 7), (9,), sampling)]
     with mock.patch.dict(os.environ):
-        bind_device(settings, "0-1")
+        bind_device(settings, shard_devices(settings)[0])
         adapter = EngineAdapter(engine_args(settings), Pacing(chunk=1, pause_seconds=2.0))
         adapter.start()
     results: list[EngineResult] = []

@@ -26,6 +26,7 @@ import redis
 
 from jobsvc.affinity import ShardState
 from jobsvc.client import Client
+from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
     ENGINE_ROLE,
@@ -112,6 +113,35 @@ class BenchOptions:
     # show what this host's noise alone does to them (the spread a service with no overhead
     # at all would measure here).
     standalone_twice: bool = False
+    # A/B run of the service against itself: in the standalone arm's place, the same workers
+    # with each message admitted at once (an admission chunk of 0), so that the pairs show
+    # what paced admission gains or costs. Each slot of a pair submits documents of its own,
+    # so that neither finds the other's already stored.
+    compare_admission: bool = False
+
+
+def check_options(settings: Settings, options: BenchOptions) -> None:
+    """Refuse combinations of options that would not measure what they name."""
+    if not options.compare_admission:
+        return
+    if options.standalone_twice:
+        raise ConfigurationError("--compare-admission and --standalone-twice each replace an "
+                                 "arm; run them separately")
+    if not options.standalone_on_workers:
+        raise ConfigurationError("--compare-admission runs no standalone engines; leave out "
+                                 "--own-standalone-engines")
+    if settings.admission_chunk == 0:
+        raise ConfigurationError("--compare-admission compares JOBSVC_ADMISSION_CHUNK with 0 "
+                                 "(each message admitted at once), and it is 0 already")
+
+
+def arm_names(options: BenchOptions) -> tuple[str, str]:
+    """What runs in the service arm's slot and in the standalone arm's slot of each pair."""
+    if options.standalone_twice:
+        return "standalone", "standalone"
+    if options.compare_admission:
+        return "service paced", "service all at once"
+    return "service", "standalone"
 
 
 def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
@@ -307,6 +337,8 @@ class _Bench:
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
         self.router = make_router(self.redis, ShardState(self.redis, settings.shards), settings)
         self.totals = _Totals(shard_jobs=[0] * settings.shards)
+        # The service admitting each message at once, in an admission A/B run.
+        self.all_at_once_totals = _Totals(shard_jobs=[0] * settings.shards)
 
     def service_roots(self) -> list[psutil.Process]:
         return [psutil.Process(process.pid) for process in self.workers.processes]
@@ -376,23 +408,34 @@ class _Bench:
         return self.celery.control.broadcast(command, arguments=arguments, reply=True,
                                              timeout=timeout, limit=len(self.workers.processes))
 
+    def ask_every_worker(self, command: str, timeout: float,
+                         arguments: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each worker's reply to a command that every one of them must carry out."""
+        replies = [reading for reply in self.ask_workers(command, timeout, arguments)
+                   for reading in reply.values()]
+        if len(replies) != len(self.workers.processes):
+            raise RuntimeError(f"{len(replies)} of {len(self.workers.processes)} workers "
+                               f"answered {command}")
+        failed = [reply["error"] for reply in replies if "error" in reply]
+        if failed:
+            raise RuntimeError(f"{command} failed on a worker: {failed[0]}")
+        return replies
+
+    def pace_admission(self, chunk: int, pause_ms: float) -> None:
+        """Have every worker pace the batches it admits from now on."""
+        self.ask_every_worker("set_admission_pacing", timeout=10,
+                              arguments={"chunk": chunk, "pause_ms": pause_ms})
+
     def run_on_workers(self, jobs_by_shard: list[list[tuple[str, str, dict[str, Any]]]],
                        mode: str) -> StandaloneRun:
         """One standalone burst on the workers' own engines, every shard at once."""
         from workers.standalone import StandaloneRun
 
-        replies = [reading for reply in self.ask_workers(
-                       "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
-                       arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
-                                  "chunk": self.settings.admission_chunk,
-                                  "pause_ms": self.settings.admission_pause_ms})
-                   for reading in reply.values()]
-        if len(replies) != len(self.workers.processes):
-            raise RuntimeError(f"{len(replies)} of {len(self.workers.processes)} workers "
-                               "answered the standalone burst")
-        failed = [reply["error"] for reply in replies if "error" in reply]
-        if failed:
-            raise RuntimeError(f"standalone burst failed on a worker: {failed[0]}")
+        replies = self.ask_every_worker(
+            "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
+            arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
+                       "chunk": self.settings.admission_chunk,
+                       "pause_ms": self.settings.admission_pause_ms})
         runs = [StandaloneRun(**reply) for reply in replies]
         return StandaloneRun(
             started=min(run.started for run in runs), admitted=min(run.admitted for run in runs),
@@ -401,7 +444,9 @@ class _Bench:
                for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
-                    record: bool = True) -> ArmResult:
+                    totals: _Totals | None) -> ArmResult:
+        """One burst through the service; its queue, routing and collection figures go into
+        `totals` (none for an unrecorded burst)."""
         self.ask_workers("reset_prefix_cache", timeout=10)
         reset_routing_state(self.redis, self.settings.shards)
         self.ask_workers("take_gc_pauses", timeout=5)
@@ -461,8 +506,7 @@ class _Bench:
                        for role in samples[-1][1]}
         steal = cpu_by_role.pop(_STEAL)
         runner_wait = cpu_by_role.pop(_RUNNER_WAIT)
-        if record:
-            totals = self.totals
+        if totals is not None:
             totals.bytes_enqueued.append(bytes_after - bytes_before)
             if heard is not None:
                 totals.heard_after_recorded_ms.append((heard - last_recorded) * 1000)
@@ -529,7 +573,19 @@ class _Bench:
         """The service arm, or in an A/A run (`standalone_twice`) the standalone arm again."""
         if self.options.standalone_twice:
             return self.run_standalone(jobs, shape, mode)
-        return self.run_service(client, jobs, shape)
+        if self.options.compare_admission:
+            self.pace_admission(self.settings.admission_chunk, self.settings.admission_pause_ms)
+        return self.run_service(client, jobs, shape, self.totals)
+
+    def run_standalone_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+                            mode: str) -> ArmResult:
+        """The standalone arm, or in an admission A/B run (`compare_admission`) the service
+        admitting each message at once, whose figures are kept apart from the paced
+        service's."""
+        if not self.options.compare_admission:
+            return self.run_standalone(jobs, shape, mode)
+        self.pace_admission(0, 0.0)
+        return self.run_service(client, jobs, shape, self.all_at_once_totals)
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -543,6 +599,7 @@ def run_bench(settings: Settings, options: BenchOptions,
     settings = replace(settings, shards=options.shards,
                        routing=options.policy or settings.routing)
     settings.validate()
+    check_options(settings, options)
     upgrade_to_head(settings.resolved_database_url)
     bench = _Bench(settings, options, progress)
     from workers.standalone import ADMISSION_MODES
@@ -563,17 +620,10 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
     calibration_shape = _shape(calibration_jobs, bench.prompts, bench.router)
     # Both arms run full bursts before the pairs (the standalone arm through calibration),
     # so neither meets the burst shape for the first time inside a measured pair.
-    bench.run_service(client, calibration_jobs, calibration_shape, record=False)
-    # Each admission style runs twice, in mirrored order (A B B A), so that neither a drift of
-    # the machine's speed nor one fast burst picks the style: a single burst per style once
-    # picked interleaved admission, whose engine schedule is the worse one on reused documents.
-    rates: dict[str, list[float]] = {mode: [] for mode in modes}
-    for mode in [*modes, *reversed(modes)]:
-        rates[mode].append(bench.run_standalone(calibration_jobs, calibration_shape,
-                                                mode, record=False).requests_per_second)
-    calibration = {mode: sum(rate) / len(rate) for mode, rate in rates.items()}
-    mode = max(calibration, key=calibration.__getitem__)
-    progress(f"standalone admission: {mode} ({calibration})")
+    bench.run_service(client, calibration_jobs, calibration_shape, None)
+    mode, calibration = "all", {}
+    if not options.compare_admission:
+        mode, calibration = _calibrate(bench, calibration_jobs, calibration_shape, modes)
 
     pairs: list[Pair] = []
     ideal_rates: list[float] = []
@@ -581,6 +631,10 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
     for trial in range(1, options.trials + 1):
         jobs = bench_jobs(options, trial)
         shape = _shape(jobs, bench.prompts, bench.router)
+        other_jobs, other_shape = jobs, shape
+        if options.compare_admission:
+            other_jobs = bench_jobs(options, options.trials + trial)
+            other_shape = _shape(other_jobs, bench.prompts, bench.router)
         ideal_rates.append(shape.ideal_hit_rate)
         bytes_raw.append(shape.bytes_raw)
         if options.fresh_engines:
@@ -589,26 +643,42 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
             # The arm that runs first starts first: both orders come up as often.
             bench.start_engines(standalone_first=trial % 2 == 1)
             # A fresh engine's first burst is its first use of most of its memory.
-            bench.run_service(client, calibration_jobs, calibration_shape, record=False)
+            bench.run_service(client, calibration_jobs, calibration_shape, None)
             bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
         service_first = trial % 2 == 0
         if service_first:
             service = bench.run_service_slot(client, jobs, shape, mode)
-            standalone = bench.run_standalone(jobs, shape, mode)
+            standalone = bench.run_standalone_slot(client, other_jobs, other_shape, mode)
         else:
-            standalone = bench.run_standalone(jobs, shape, mode)
+            standalone = bench.run_standalone_slot(client, other_jobs, other_shape, mode)
             service = bench.run_service_slot(client, jobs, shape, mode)
         pair = Pair(standalone, service, service_first)
         pairs.append(pair)
-        slot = "standalone again" if options.standalone_twice else "service"
-        progress(f"pair {trial}/{options.trials}: {slot} {service.requests_per_second:.2f} "
-                 f"req/s, standalone {standalone.requests_per_second:.2f} req/s, "
+        first, second = arm_names(options)
+        progress(f"pair {trial}/{options.trials}: {first} {service.requests_per_second:.2f} "
+                 f"req/s, {second} {standalone.requests_per_second:.2f} req/s, "
                  f"ratio {pair.ratio:.4f}; CPU s/job {service.cpu_seconds_per_job:.4f} vs "
                  f"{standalone.cpu_seconds_per_job:.4f}, outside the engine "
                  f"{service.outside_engine_cpu_seconds_per_job:.4f} vs "
                  f"{standalone.outside_engine_cpu_seconds_per_job:.4f}; stolen by the "
                  f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s")
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
+
+
+def _calibrate(bench: _Bench, jobs: list[dict[str, Any]], shape: _Shape, modes: Sequence[str]
+               ) -> tuple[str, dict[str, float]]:
+    """The standalone arm's better admission style, and each style's rate."""
+    # Each style runs twice, in mirrored order (A B B A), so that neither a drift of the
+    # machine's speed nor one fast burst picks the style: a single burst per style once
+    # picked interleaved admission, whose engine schedule is the worse one on reused documents.
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in [*modes, *reversed(modes)]:
+        rates[mode].append(bench.run_standalone(jobs, shape, mode,
+                                                record=False).requests_per_second)
+    calibration = {mode: sum(rate) / len(rate) for mode, rate in rates.items()}
+    mode = max(calibration, key=calibration.__getitem__)
+    bench.progress(f"standalone admission: {mode} ({calibration})")
+    return mode, calibration
 
 
 def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
@@ -618,24 +688,21 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         "workload": options.workload,
         "shards": bench.settings.shards,
         "policy": bench.settings.routing,
-        "arms": "standalone/standalone" if options.standalone_twice else "service/standalone",
+        "arms": "/".join(arm_names(options)),
         "trials": len(pairs),
         "jobs_per_trial": pairs[0].service.jobs,
         "output_tokens": options.output_tokens,
         "fresh_engines_per_pair": options.fresh_engines,
-        "standalone_on_workers": options.standalone_on_workers,
-        "standalone_admission": mode,
-        "admission_calibration_rps": calibration,
+        "admission_chunk": bench.settings.admission_chunk,
+        "admission_pause_ms": bench.settings.admission_pause_ms,
         **summarize_pairs(pairs),
-        "standalone_hit_rate": (totals.standalone_cached_tokens
-                                / max(totals.standalone_prompt_tokens, 1)),
         "ideal_hit_rate": sum(ideal_rates) / len(ideal_rates),
         "bytes_raw": sum(bytes_raw) // len(bytes_raw),
-        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
-        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
-        "standalone_gc_collections_by_generation":
-            totals.standalone_gc.collections_by_generation,
+        **({} if options.compare_admission
+           else _standalone_figures(totals, options, mode, calibration)),
         **({} if options.standalone_twice else _service_figures(totals)),
+        **({"all_at_once": _service_figures(bench.all_at_once_totals)}
+           if options.compare_admission else {}),
         "pairs": [_pair_figures(pair) for pair in pairs],
     }
     if options.json_path:
@@ -644,6 +711,22 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
     if options.plot_path:
         plot_pairs(result, options.plot_path)
     return result
+
+
+def _standalone_figures(totals: _Totals, options: BenchOptions, mode: str,
+                        calibration: dict[str, float]) -> dict[str, Any]:
+    """What only the standalone arm has: its admission style, cache and collections."""
+    return {
+        "standalone_on_workers": options.standalone_on_workers,
+        "standalone_admission": mode,
+        "admission_calibration_rps": calibration,
+        "standalone_hit_rate": (totals.standalone_cached_tokens
+                                / max(totals.standalone_prompt_tokens, 1)),
+        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
+        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
+        "standalone_gc_collections_by_generation":
+            totals.standalone_gc.collections_by_generation,
+    }
 
 
 def _service_figures(totals: _Totals) -> dict[str, Any]:

@@ -50,7 +50,8 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            json_path=args.json, plot_path=args.plot,
                            fresh_engines=args.fresh_engines,
                            standalone_on_workers=not args.own_standalone_engines,
-                           standalone_twice=args.standalone_twice)
+                           standalone_twice=args.standalone_twice,
+                           compare_admission=args.compare_admission)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--standalone-twice", action="store_true",
                        help="A/A run: the standalone arm in both places of every pair, to "
                             "see the spread of ratios this host's noise alone produces")
+    bench.add_argument("--compare-admission", action="store_true",
+                       help="A/B run: the service admitting each message at once in the "
+                            "standalone arm's place, to see what paced admission "
+                            "(JOBSVC_ADMISSION_CHUNK, JOBSVC_ADMISSION_PAUSE_MS) gains or costs")
     bench.set_defaults(run=_bench)
     simulate = commands.add_parser(
         "simulate", help="replay a workload over simulated shards under one routing policy")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from jobsvc.bench import BenchOptions, _GcTotals, _report, _Totals, bench_jobs
-from jobsvc.errors import InvalidJob
+from jobsvc.bench import BenchOptions, _GcTotals, _report, _Totals, bench_jobs, check_options
+from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.measure import (
     ENGINE_ROLE,
     ArmResult,
@@ -28,6 +28,7 @@ from jobsvc.measure import (
     summarize_pairs,
     wait_seconds,
 )
+from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs
 
 
@@ -205,14 +206,19 @@ def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() ->
     assert totals.idle_collections == {"shard0": 7, "shard1": 1}
 
 
-def _report_of(totals: _Totals, standalone_twice: bool) -> dict[str, Any]:
+def _report_of(totals: _Totals, standalone_twice: bool = False,
+               compare_admission: bool = False,
+               all_at_once_totals: _Totals | None = None) -> dict[str, Any]:
     arm = ArmResult(jobs=4, seconds=2.0, output_tokens=64,
                     cpu_by_role={ENGINE_ROLE: 3.0, "worker": 0.2})
     slower = replace(arm, seconds=2.5)
     pairs = [Pair(arm, slower, service_first=False), Pair(slower, arm, service_first=True)]
-    bench = SimpleNamespace(totals=totals,
-                            options=BenchOptions(standalone_twice=standalone_twice),
-                            settings=SimpleNamespace(shards=1, routing="cache_aware"))
+    bench = SimpleNamespace(totals=totals, all_at_once_totals=all_at_once_totals or _Totals(),
+                            options=BenchOptions(standalone_twice=standalone_twice,
+                                                 compare_admission=compare_admission),
+                            settings=SimpleNamespace(shards=1, routing="cache_aware",
+                                                     admission_chunk=32,
+                                                     admission_pause_ms=15.0))
     return _report(bench, pairs, "all", {"all": 2.0}, ideal_rates=[0.5, 0.7],  # type: ignore[arg-type]
                    bytes_raw=[1000, 3000])
 
@@ -240,3 +246,42 @@ def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
     assert report["bytes_enqueued"] == 200
     assert report["queue_to_admission_ms"]["p50"] == pytest.approx(20.0)
     assert report["engine_finish_to_recorded_ms"] is None
+    assert report["standalone_admission"] == "all"
+    assert report["admission_chunk"] == 32
+    assert "all_at_once" not in report
+
+
+def test_an_admission_a_b_report_gives_both_services_figures_and_no_standalone_ones() -> None:
+    paced = _Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[8], failed=0,
+                    admission_ms=[10.0], bytes_enqueued=[100])
+    at_once = _Totals(prompt_tokens=1000, cached_tokens=600, shard_jobs=[8], failed=1,
+                      admission_ms=[30.0], bytes_enqueued=[120])
+    report = _report_of(paced, compare_admission=True, all_at_once_totals=at_once)
+    assert report["arms"] == "service paced/service all at once"
+    assert report["min_ratio"] == pytest.approx(0.8)
+    assert report["hit_rate"] == pytest.approx(0.7)
+    assert report["all_at_once"]["hit_rate"] == pytest.approx(0.6)
+    assert report["all_at_once"]["service_jobs_not_succeeded"] == 1
+    assert report["all_at_once"]["queue_to_admission_ms"]["p50"] == pytest.approx(30.0)
+    for standalone_only in ("standalone_admission", "standalone_hit_rate",
+                            "standalone_gc_pause_max_ms", "admission_calibration_rps"):
+        assert standalone_only not in report
+
+
+@pytest.mark.parametrize(("options", "chunk", "refusal"), [
+    (BenchOptions(compare_admission=True, standalone_twice=True), 32, "--standalone-twice"),
+    (BenchOptions(compare_admission=True, standalone_on_workers=False), 32,
+     "--own-standalone-engines"),
+    (BenchOptions(compare_admission=True), 0, "is 0 already"),
+])
+def test_an_admission_a_b_run_refuses_options_that_would_not_compare_admission(
+        options: BenchOptions, chunk: int, refusal: str) -> None:
+    with pytest.raises(ConfigurationError, match=refusal):
+        check_options(Settings(admission_chunk=chunk), options)
+
+
+def test_the_usual_runs_pass_the_option_check() -> None:
+    for options in (BenchOptions(), BenchOptions(standalone_twice=True),
+                    BenchOptions(compare_admission=True)):
+        check_options(Settings(admission_chunk=0 if not options.compare_admission else 8),
+                      options)

@@ -191,6 +191,17 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def take_gc_pauses(_state: Any) -> dict[str, float]:
         return runtime.gc_pauses.take()
 
+    @control_command(args=[("chunk", int), ("pause_ms", float)])
+    def set_admission_pacing(_state: Any, chunk: int, pause_ms: float) -> dict[str, Any]:
+        """Pace the batches admitted from now on `chunk` requests every `pause_ms` (0: all at
+        once), so that the bench can compare admission styles on one running worker. Replies
+        with the pacing it replaced."""
+        if chunk < 0 or pause_ms < 0:
+            return {"error": f"chunk and pause must be >= 0, not {chunk} and {pause_ms}"}
+        replaced = runtime.engine.pacing
+        runtime.engine.pacing = Pacing(chunk, pause_ms / 1000)
+        return {"chunk": replaced.chunk, "pause_ms": replaced.pause_seconds * 1000}
+
     @control_command(args=[("jobs_by_shard", list), ("mode", str), ("chunk", int),
                            ("pause_ms", float)])
     def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]], mode: str,

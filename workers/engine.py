@@ -100,7 +100,8 @@ class EngineAdapter:
     def __init__(self, engine_args: dict[str, Any], pacing: Pacing = Pacing(),
                  on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         self._engine_args = engine_args
-        self._pacing = pacing
+        # Read once per batch as the batch is admitted; a new value applies to later batches.
+        self.pacing = pacing
         # Jobs of admitted batches whose requests wait for their chunk's turn, and those of
         # them cancelled meanwhile: a withdrawn job never reaches the engine. Loop thread only.
         self._waiting: set[str] = set()
@@ -202,7 +203,7 @@ class EngineAdapter:
                 except Exception as error:
                     params[key] = error
         await gather_paced([self._run_one(request, params[key], on_result)
-                            for key, request in zip(keys, requests, strict=True)], self._pacing)
+                            for key, request in zip(keys, requests, strict=True)], self.pacing)
 
     async def _run_one(self, request: EngineRequest, params: Any,
                        on_result: Callable[[EngineResult], None]) -> None:

@@ -433,9 +433,7 @@ class _Bench:
 
         replies = self.ask_every_worker(
             "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
-            arguments={"jobs_by_shard": jobs_by_shard, "mode": mode,
-                       "chunk": self.settings.admission_chunk,
-                       "pause_ms": self.settings.admission_pause_ms})
+            arguments={"jobs_by_shard": jobs_by_shard, "mode": mode})
         runs = [StandaloneRun(**reply) for reply in replies]
         return StandaloneRun(
             started=min(run.started for run in runs), admitted=min(run.admitted for run in runs),

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -18,6 +19,7 @@ from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
+from jobsvc.transport import make_celery
 
 POSTGRES_ADMIN_URL = os.environ.get("JOBSVC_TEST_POSTGRES_ADMIN_URL",
                                     "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -118,3 +120,18 @@ def record_queued_job(store: Store) -> str:
 @pytest.fixture()
 def queued_job(store: Store) -> Callable[[], str]:
     return lambda: record_queued_job(store)
+
+
+def ask_worker(settings: Settings, command: str, arguments: dict[str, Any],
+               timeout: float = 30) -> dict[str, Any]:
+    """The test worker's reply to a remote-control command."""
+    replies = make_celery(settings).control.broadcast(command, arguments=arguments, reply=True,
+                                                      timeout=timeout, limit=1)
+    assert len(replies) == 1, replies
+    (reading,) = replies[0].values()
+    return reading
+
+
+def set_pacing(settings: Settings, chunk: int, pause_ms: float) -> dict[str, Any]:
+    """Pace the test worker's later batches; returns its reply (the pacing it replaced)."""
+    return ask_worker(settings, "set_admission_pacing", {"chunk": chunk, "pause_ms": pause_ms})

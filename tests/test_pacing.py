@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -14,7 +13,7 @@ from jobsvc.client import Client
 from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
-from jobsvc.transport import make_celery
+from tests.conftest import set_pacing
 from workers.bootstrap import bind_device
 from workers.engine import (
     EngineAdapter,
@@ -87,19 +86,10 @@ def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
     assert by_job["second"].completion_tokens == 0
 
 
-def _set_pacing(settings: Settings, chunk: int, pause_ms: float) -> dict[str, Any]:
-    replies = make_celery(settings).control.broadcast(
-        "set_admission_pacing", arguments={"chunk": chunk, "pause_ms": pause_ms},
-        reply=True, timeout=30, limit=1)
-    assert len(replies) == 1, replies
-    (reading,) = replies[0].values()
-    return reading
-
-
 def test_a_running_worker_paces_later_batches_as_told_and_says_what_it_replaced(
         settings: Settings, worker: LocalWorkers, client: Client) -> None:
     configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
-    assert _set_pacing(settings, 0, 0.0) == pytest.approx(configured)
+    assert set_pacing(settings, 0, 0.0) == pytest.approx(configured)
     try:
         ids = client.submit_many({"document": "a document admitted at once " * 20,
                                   "question": f"question {index}?", "max_tokens": 2}
@@ -107,13 +97,13 @@ def test_a_running_worker_paces_later_batches_as_told_and_says_what_it_replaced(
         records = client.wait(ids, timeout=120)
         assert [record.status for record in records] == [JobStatus.SUCCEEDED] * 12
     finally:
-        restored = _set_pacing(settings, configured["chunk"], configured["pause_ms"])
+        restored = set_pacing(settings, configured["chunk"], configured["pause_ms"])
     assert restored == pytest.approx({"chunk": 0, "pause_ms": 0.0})
 
 
 def test_a_negative_pacing_is_refused_and_the_current_one_kept(
         settings: Settings, worker: LocalWorkers) -> None:
-    assert ">= 0" in _set_pacing(settings, -1, 15.0)["error"]
+    assert ">= 0" in set_pacing(settings, -1, 15.0)["error"]
     configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
-    assert _set_pacing(settings, configured["chunk"], configured["pause_ms"]) == pytest.approx(
+    assert set_pacing(settings, configured["chunk"], configured["pause_ms"]) == pytest.approx(
         configured)

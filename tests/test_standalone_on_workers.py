@@ -8,18 +8,13 @@ from typing import Any
 
 from jobsvc.local import LocalWorkers
 from jobsvc.settings import Settings
-from jobsvc.transport import make_celery
 from jobsvc.workloads import document, question
+from tests.conftest import ask_worker, set_pacing
 
 
 def _burst(settings: Settings, jobs: list[list[Any]], mode: str) -> dict[str, Any]:
-    replies = make_celery(settings).control.broadcast(
-        "run_standalone_burst", arguments={"jobs_by_shard": [jobs], "mode": mode,
-                                           "chunk": 2, "pause_ms": 15.0},
-        reply=True, timeout=180, limit=1)
-    assert len(replies) == 1, replies
-    (reading,) = replies[0].values()
-    return reading
+    return ask_worker(settings, "run_standalone_burst",
+                      {"jobs_by_shard": [jobs], "mode": mode}, timeout=180)
 
 
 def test_a_burst_on_the_workers_engine_runs_every_job_and_reuses_the_document(
@@ -28,8 +23,13 @@ def test_a_burst_on_the_workers_engine_runs_every_job_and_reuses_the_document(
     text = document(rng, 400)
     sampling = {"max_tokens": 5, "ignore_eos": True, "temperature": 0.0}
     jobs = [[text, question(rng), sampling] for _ in range(4)]
-    for mode in ("all", "staggered"):
-        run = _burst(settings, jobs, mode)
+    # Staggered, the burst takes the worker's pacing: two chunks of two.
+    configured = set_pacing(settings, 2, 15.0)
+    try:
+        runs = {mode: _burst(settings, jobs, mode) for mode in ("all", "staggered")}
+    finally:
+        set_pacing(settings, configured["chunk"], configured["pause_ms"])
+    for run in runs.values():
         assert run["output_tokens"] == 4 * 5
         assert run["prompt_tokens"] > 4 * 400
         # The burst starts from a cold cache: the first question computes the document, the

@@ -202,20 +202,20 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         runtime.engine.pacing = Pacing(chunk, pause_ms / 1000)
         return {"chunk": replaced.chunk, "pause_ms": replaced.pause_seconds * 1000}
 
-    @control_command(args=[("jobs_by_shard", list), ("mode", str), ("chunk", int),
-                           ("pause_ms", float)])
-    def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]], mode: str,
-                             chunk: int, pause_ms: float) -> dict[str, float]:
+    @control_command(args=[("jobs_by_shard", list), ("mode", str)])
+    def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]],
+                             mode: str) -> dict[str, float]:
         """Drive this worker's engine directly with this shard's share of a burst, bypassing
         queue and database: the benchmark's standalone arm on the very engine the service arm
-        uses. The consumer waits meanwhile, so no batch runs beside the burst."""
+        uses, staggered (if so) with the pacing the worker's batches have. The consumer waits
+        meanwhile, so no batch runs beside the burst."""
         from workers.standalone import run_burst
 
         jobs = [(document, question, sampling)
                 for document, question, sampling in jobs_by_shard[shard]]
         with runtime.collections.busy():
             return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode,
-                                    Pacing(chunk, pause_ms / 1000)))
+                                    runtime.engine.pacing))
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

@@ -792,9 +792,11 @@ def plot_pairs(result: dict[str, Any], path: Path) -> None:
     from matplotlib import pyplot
 
     pairs = result["pairs"]
+    # The service arm's slot, then the standalone arm's (either may hold something else).
+    first, second = result["arms"].split("/")
     index = list(range(1, len(pairs) + 1))
     figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4))
-    left.plot(index, [pair["ratio"] for pair in pairs], "o-", label="service / standalone")
+    left.plot(index, [pair["ratio"] for pair in pairs], "o-", label=f"{first} / {second}")
     left.axhline(0.99, color="red", linestyle="--", label="0.99")
     left.axhline(1.0, color="gray", linewidth=0.8)
     left.set_xlabel("pair")
@@ -805,9 +807,9 @@ def plot_pairs(result: dict[str, Any], path: Path) -> None:
     left.legend()
     width = 0.4
     right.bar([i - width / 2 for i in index], [p["standalone_cpu_s_per_job"] for p in pairs],
-              width, label="standalone")
+              width, label=second)
     right.bar([i + width / 2 for i in index], [p["service_cpu_s_per_job"] for p in pairs],
-              width, label="service")
+              width, label=first)
     right.set_xlabel("pair")
     right.set_ylabel("CPU seconds per job")
     right.set_title(f"cpu_ratio {result['cpu_ratio']:.4f}")

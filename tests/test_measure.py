@@ -7,10 +7,19 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
-from jobsvc.bench import BenchOptions, _GcTotals, _report, _Totals, bench_jobs, check_options
+from jobsvc.bench import (
+    BenchOptions,
+    _GcTotals,
+    _report,
+    _Totals,
+    bench_jobs,
+    check_options,
+    plot_pairs,
+)
 from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.measure import (
     ENGINE_ROLE,
@@ -266,6 +275,20 @@ def test_an_admission_a_b_report_gives_both_services_figures_and_no_standalone_o
     for standalone_only in ("standalone_admission", "standalone_hit_rate",
                             "standalone_gc_pause_max_ms", "admission_calibration_rps"):
         assert standalone_only not in report
+
+
+def test_the_plot_of_a_run_names_what_stood_in_each_slot(tmp_path: Path) -> None:
+    def totals() -> _Totals:
+        return _Totals(shard_jobs=[8], admission_ms=[1.0], bytes_enqueued=[1])
+
+    report = _report_of(totals(), compare_admission=True, all_at_once_totals=totals())
+    with mock.patch("matplotlib.figure.Figure.savefig", autospec=True) as savefig:
+        plot_pairs(report, tmp_path / "pairs.png")
+    ratios, cpu = savefig.call_args.args[0].axes
+    assert ratios.get_legend().get_texts()[0].get_text() == (
+        "service paced / service all at once")
+    assert [text.get_text() for text in cpu.get_legend().get_texts()] == [
+        "service all at once", "service paced"]
 
 
 @pytest.mark.parametrize(("options", "chunk", "refusal"), [

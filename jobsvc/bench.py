@@ -642,7 +642,8 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
             bench.start_engines(standalone_first=trial % 2 == 1)
             # A fresh engine's first burst is its first use of most of its memory.
             bench.run_service(client, calibration_jobs, calibration_shape, None)
-            bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
+            if not options.compare_admission:
+                bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
         service_first = trial % 2 == 0
         if service_first:
             service = bench.run_service_slot(client, jobs, shape, mode)

@@ -56,6 +56,12 @@ def test_a_chunk_of_zero_starts_every_request_at_once() -> None:
     assert max(starts) < 0.1
 
 
+def test_a_negative_chunk_or_pause_is_refused() -> None:
+    for chunk, pause in ((-1, 0.015), (32, -0.001)):
+        with pytest.raises(ValueError, match=">= 0"):
+            Pacing(chunk, pause)
+
+
 def test_pacing_comes_from_the_admission_settings() -> None:
     settings = Settings.from_env({"JOBSVC_ADMISSION_CHUNK": "8",
                                   "JOBSVC_ADMISSION_PAUSE_MS": "20"})

@@ -196,10 +196,11 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         """Pace the batches admitted from now on `chunk` requests every `pause_ms` (0: all at
         once), so that the bench can compare admission styles on one running worker. Replies
         with the pacing it replaced."""
-        if chunk < 0 or pause_ms < 0:
-            return {"error": f"chunk and pause must be >= 0, not {chunk} and {pause_ms}"}
-        replaced = runtime.engine.pacing
-        runtime.engine.pacing = Pacing(chunk, pause_ms / 1000)
+        try:
+            pacing = Pacing(chunk, pause_ms / 1000)
+        except ValueError as error:
+            return {"error": str(error)}
+        replaced, runtime.engine.pacing = runtime.engine.pacing, pacing
         return {"chunk": replaced.chunk, "pause_ms": replaced.pause_seconds * 1000}
 
     @control_command(args=[("jobs_by_shard", list), ("mode", str)])

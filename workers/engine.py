@@ -63,6 +63,11 @@ class Pacing:
     chunk: int = 0
     pause_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.chunk < 0 or self.pause_seconds < 0:
+            raise ValueError(f"chunk and pause must be >= 0, not {self.chunk} and "
+                             f"{self.pause_seconds} s")
+
     @classmethod
     def from_settings(cls, settings: Settings) -> Pacing:
         return cls(settings.admission_chunk, settings.admission_pause_ms / 1000)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,21 +28,16 @@ from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
-    ENGINE_ROLE,
     ArmResult,
     Pair,
-    ProcessKey,
-    cpu_seconds_by_role,
     ideal_hit_rate,
     outside_engine_ms_per_job_by_role,
     percentile,
     reading_at,
-    schedstat_wait_ns,
-    steal_seconds,
     summarize_pairs,
-    wait_seconds,
 )
 from jobsvc.migrate import upgrade_to_head
+from jobsvc.processes import RUNNER_WAIT, STEAL, Member, Usage, server_processes, with_roles
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import Router, make_router, reset_routing_state
 from jobsvc.routing import document_keys
@@ -62,11 +56,6 @@ NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
 # `zipf`: as many jobs as `reuse` on as many documents, asked with Zipf popularity (the most
 # asked document draws a fifth of the jobs, most are asked once or twice).
 ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
-# The servers' process names, and their roles in the service arm's CPU accounting.
-SERVER_ROLES = {"redis-server": "redis", "postgres": "postgres"}
-# vLLM names its engine-core and model-runner processes "VLLM::EngineCore", "VLLM::Worker".
-ENGINE_PROCESS_PREFIX = "VLLM::"
-MODEL_RUNNER_PREFIX = "VLLM::Worker"
 # The service arm's producer waits as `Client.wait` does by default: it checks its unfinished
 # jobs once the commits announced since its last check could have finished all of them, and
 # at least every `finish_signal.NOTIFIED_CHECK_SECONDS`, or every _POLL_SECONDS without
@@ -78,11 +67,6 @@ _LAST_COMMIT_GRACE_SECONDS = 0.2
 # Quiet time before each arm, so that neither starts while the other's trailing work (the
 # last acknowledgements and statistics, an engine's threads winding down) still runs.
 _SETTLE_SECONDS = 1.0
-# The key under which a CPU sample carries the hypervisor's steal, read off like the roles.
-_STEAL = "steal"
-# The key under which it carries the model runner's wait for a core: read off the same way,
-# since the engine's idle threads go on spinning, and waiting, after the burst's last job.
-_RUNNER_WAIT = "runner wait"
 # How long a standalone burst on the workers' engines may take before the bench gives up.
 _WORKER_BURST_TIMEOUT_SECONDS = 1800.0
 
@@ -185,88 +169,6 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 
-def _steal_now() -> float:
-    """Seconds stolen from this machine's cores by the hypervisor so far (0 off Linux)."""
-    try:
-        text = Path("/proc/stat").read_text()
-    except OSError:
-        return 0.0
-    return steal_seconds(text, os.sysconf("SC_CLK_TCK"))
-
-
-def _members(roots: Iterable[psutil.Process], role: str, *, descendants: bool
-             ) -> list[tuple[psutil.Process, str]]:
-    """These processes (and their descendants), each with its role: `role`, or ENGINE_ROLE for
-    vLLM's engine processes. Finding descendants walks every process on the machine (about
-    3 ms of CPU here), so an arm sampled while it runs finds its processes once."""
-    members: list[tuple[psutil.Process, str]] = []
-    for root in roots:
-        try:
-            found = [root, *root.children(recursive=True)] if descendants else [root]
-        except psutil.NoSuchProcess:
-            continue
-        for member in found:
-            try:
-                engine = member.name().startswith(ENGINE_PROCESS_PREFIX)
-            except psutil.NoSuchProcess:
-                continue
-            members.append((member, ENGINE_ROLE if engine else role))
-    return members
-
-
-def _cpu_seconds(members: Iterable[tuple[psutil.Process, str]]) -> dict[ProcessKey, float]:
-    """Cumulative CPU seconds of these processes, keyed by PID and role."""
-    times: dict[ProcessKey, float] = {}
-    for member, role in members:
-        try:
-            cpu = member.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        times[member.pid, role] = cpu.user + cpu.system
-    return times
-
-
-def _model_runner_threads(members: Iterable[tuple[psutil.Process, str]]) -> list[Path]:
-    """The /proc entries of the threads that run the model: in vLLM's model-runner processes
-    (or, where the engine core runs the model itself, in the engine's processes) the threads
-    named like their process, the main one and OpenMP's. The engine core's other threads spin
-    while a step runs, and their wait costs nothing. Found once per arm, so that a sample
-    taken while the engine runs reads one file per runner thread and no more."""
-    engines = []
-    for member, role in members:
-        if role == ENGINE_ROLE:
-            try:
-                engines.append((member.pid, member.name()))
-            except psutil.NoSuchProcess:
-                continue
-    runners = [engine for engine in engines if engine[1].startswith(MODEL_RUNNER_PREFIX)]
-    found: list[Path] = []
-    for pid, name in runners or engines:
-        try:
-            threads = list(Path(f"/proc/{pid}/task").iterdir())
-        except OSError:
-            continue
-        for thread in threads:
-            try:
-                if (thread / "comm").read_text().strip() == name:
-                    found.append(thread)
-            except OSError:
-                continue
-    return found
-
-
-def _waits(threads: Iterable[Path]) -> dict[int, int]:
-    """Each thread's cumulative wait for a core (ns), by thread ID; empty where the kernel
-    keeps no scheduler statistics."""
-    waits: dict[int, int] = {}
-    for thread in threads:
-        try:
-            waits[int(thread.name)] = schedstat_wait_ns((thread / "schedstat").read_text())
-        except (OSError, ValueError):
-            continue
-    return waits
-
-
 @dataclass
 class _GcTotals:
     """Each worker's longest GC pauses and its collections, over the bursts of one arm: while
@@ -343,40 +245,31 @@ class _Bench:
     def service_roots(self) -> list[psutil.Process]:
         return [psutil.Process(process.pid) for process in self.workers.processes]
 
-    def server_processes(self) -> dict[str, list[psutil.Process]]:
-        """Redis's and PostgreSQL's processes, by role."""
-        servers: dict[str, list[psutil.Process]] = {role: [] for role in SERVER_ROLES.values()}
-        for process in psutil.process_iter(["name"]):
-            role = SERVER_ROLES.get(process.info["name"])
-            if role is not None:
-                servers[role].append(process)
-        return servers
-
     def service_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
-                          ) -> list[tuple[psutil.Process, str]]:
+                          ) -> list[Member]:
         """Every process the service arm uses, with its role."""
-        members = [*_members([psutil.Process()], "producer", descendants=False),
-                   *_members(self.service_roots(), "worker", descendants=True)]
+        members = [*with_roles([psutil.Process()], "producer", descendants=False),
+                   *with_roles(self.service_roots(), "worker", descendants=True)]
         for role, processes in servers.items():
-            members.extend(_members(processes, role, descendants=False))
+            members.extend(with_roles(processes, role, descendants=False))
         return members
 
     def standalone_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
-                             ) -> list[tuple[psutil.Process, str]]:
+                             ) -> list[Member]:
         """The bench process (which drives the engines, or waits for the workers to), the
         engines it drives (its own, or the workers' with their processes), and Redis and
         PostgreSQL: this arm does not use them, but they run beside it on the same cores as
         beside the service arm (Redis's timers alone took 2.6 ms of CPU a second here with no
         client connected), so each arm is charged what they took during its burst."""
         members = [(member, role) for role, processes in servers.items()
-                   for member, role in _members(processes, role, descendants=False)]
+                   for member, role in with_roles(processes, role, descendants=False)]
         if self.options.standalone_on_workers:
-            return [*members, *_members([psutil.Process()], "bench", descendants=False),
-                    *_members(self.service_roots(), "worker", descendants=True)]
-        service = {member.pid for member, _ in _members(self.service_roots(), "worker",
+            return [*members, *with_roles([psutil.Process()], "bench", descendants=False),
+                    *with_roles(self.service_roots(), "worker", descendants=True)]
+        service = {member.pid for member, _ in with_roles(self.service_roots(), "worker",
                                                         descendants=True)}
         return [*members, *((member, role)
-                            for member, role in _members([psutil.Process()], "bench",
+                            for member, role in with_roles([psutil.Process()], "bench",
                                                          descendants=True)
                             if member.pid not in service)]
 
@@ -454,11 +347,8 @@ class _Bench:
         # after it (that commit landed during the check). Listening starts before the arm's
         # processes are found, so that the listening connection's server process is counted.
         with client.finish_signal() as signal:
-            processes = self.service_processes(self.server_processes())
-            before = _cpu_seconds(processes)
-            runners = _model_runner_threads(processes)
-            waits_before = _waits(runners)
-            steal_before = _steal_now()
+            processes = self.service_processes(server_processes())
+            usage = Usage(processes)
             bytes_before = self.redis.info("stats")["total_net_input_bytes"]
             # CPU is sampled once the last check finds every job finished and again after the
             # grace, and read off at the arm's end by interpolating from its start, as the
@@ -472,9 +362,7 @@ class _Bench:
             def sample() -> None:
                 nonlocal sampling
                 sampling_started = time.thread_time()
-                used = cpu_seconds_by_role(before, _cpu_seconds(processes))
-                used[_STEAL] = _steal_now() - steal_before
-                used[_RUNNER_WAIT] = wait_seconds(waits_before, _waits(runners))
+                used = usage.since_start()
                 sampling += time.thread_time() - sampling_started
                 used["producer"] -= sampling
                 samples.append((time.time(), used))
@@ -502,8 +390,8 @@ class _Bench:
         cpu_by_role = {role: reading_at([(moment, used.get(role, 0.0))
                                          for moment, used in samples], finished)
                        for role in samples[-1][1]}
-        steal = cpu_by_role.pop(_STEAL)
-        runner_wait = cpu_by_role.pop(_RUNNER_WAIT)
+        steal = cpu_by_role.pop(STEAL)
+        runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if totals is not None:
             totals.bytes_enqueued.append(bytes_after - bytes_before)
             if heard is not None:
@@ -547,16 +435,13 @@ class _Bench:
         if on_workers:
             self.ask_workers("take_gc_pauses", timeout=5)
         time.sleep(_SETTLE_SECONDS)
-        processes = self.standalone_processes(self.server_processes())
-        before = _cpu_seconds(processes)
-        runners = _model_runner_threads(processes)
-        waits_before = _waits(runners)
-        steal_before = _steal_now()
+        processes = self.standalone_processes(server_processes())
+        usage = Usage(processes)
         run = (engines.run(per_engine, mode) if engines is not None
                else self.run_on_workers(per_engine, mode))
-        steal = _steal_now() - steal_before
-        runner_wait = wait_seconds(waits_before, _waits(runners))
-        cpu_by_role = cpu_seconds_by_role(before, _cpu_seconds(processes))
+        cpu_by_role = usage.since_start()
+        steal = cpu_by_role.pop(STEAL)
+        runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
             self.totals.standalone_cached_tokens += run.cached_tokens

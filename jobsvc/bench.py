@@ -116,7 +116,8 @@ def check_options(settings: Settings, options: BenchOptions) -> None:
                                  "--own-standalone-engines")
     if settings.admission_chunk == 0:
         raise ConfigurationError("--compare-admission compares JOBSVC_ADMISSION_CHUNK with 0 "
-                                 "(each message admitted at once), and it is 0 already")
+                                 "(each message admitted at once), and it is 0; set it to the "
+                                 "chunk to compare, such as 32")
 
 
 def arm_names(options: BenchOptions) -> tuple[str, str]:

@@ -51,9 +51,9 @@ class Settings:
     # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
     worker_concurrency: int = 8
     # A batch's requests enter the engine this many at a time, one chunk every pause (0: all
-    # at once). On a 2-core CPU host, 256 reuse jobs paced 32 every 15 ms ran a median 3.6 %
-    # faster than all at once, ahead in 14 of 16 alternated pairs (see the README).
-    admission_chunk: int = 32
+    # at once). Through the service, 32 every 15 ms ran a median 1.1 % slower than all at
+    # once, behind in 49 of 76 alternated pairs on two hosts (see the README).
+    admission_chunk: int = 0
     admission_pause_ms: float = 15.0
     zstd_level: int = 3
     max_document_chars: int = 2_000_000

@@ -295,7 +295,7 @@ def test_the_plot_of_a_run_names_what_stood_in_each_slot(tmp_path: Path) -> None
     (BenchOptions(compare_admission=True, standalone_twice=True), 32, "--standalone-twice"),
     (BenchOptions(compare_admission=True, standalone_on_workers=False), 32,
      "--own-standalone-engines"),
-    (BenchOptions(compare_admission=True), 0, "is 0 already"),
+    (BenchOptions(compare_admission=True), 0, "set it to the chunk"),
 ])
 def test_an_admission_a_b_run_refuses_options_that_would_not_compare_admission(
         options: BenchOptions, chunk: int, refusal: str) -> None:

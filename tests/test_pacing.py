@@ -23,6 +23,7 @@ from workers.engine import (
     engine_args,
     gather_paced,
 )
+from workers.standalone import STAGGERED_PACING, staggered_pacing
 
 
 def _start_times(count: int, pacing: Pacing) -> tuple[list[int], list[float]]:
@@ -54,6 +55,14 @@ def test_a_chunk_of_zero_starts_every_request_at_once() -> None:
     results, starts = _start_times(50, Pacing())
     assert results == list(range(50))
     assert max(starts) < 0.1
+
+
+def test_the_baselines_staggered_style_paces_even_where_the_workers_do_not() -> None:
+    assert Settings().admission_chunk == 0
+    assert staggered_pacing(Pacing()) == STAGGERED_PACING
+    assert STAGGERED_PACING.chunk > 0 and STAGGERED_PACING.pause_seconds > 0
+    workers = Pacing(chunk=8, pause_seconds=0.005)
+    assert staggered_pacing(workers) == workers
 
 
 def test_a_negative_chunk_or_pause_is_refused() -> None:

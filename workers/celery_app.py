@@ -208,7 +208,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
                              mode: str) -> dict[str, float]:
         """Drive this worker's engine directly with this shard's share of a burst, bypassing
         queue and database: the benchmark's standalone arm on the very engine the service arm
-        uses, staggered (if so) with the pacing the worker's batches have. The consumer waits
+        uses, staggered (if so) as `workers.standalone.staggered_pacing` says. The consumer waits
         meanwhile, so no batch runs beside the burst."""
         from workers.standalone import run_burst
 

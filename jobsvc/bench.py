@@ -170,6 +170,12 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 
+def _server_members(servers: Mapping[str, Iterable[psutil.Process]]) -> list[Member]:
+    """Redis's and PostgreSQL's processes, each with its role."""
+    return [member for role, processes in servers.items()
+            for member in with_roles(processes, role, descendants=False)]
+
+
 @dataclass
 class _GcTotals:
     """Each worker's longest GC pauses and its collections, over the bursts of one arm: while
@@ -249,11 +255,9 @@ class _Bench:
     def service_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
                           ) -> list[Member]:
         """Every process the service arm uses, with its role."""
-        members = [*with_roles([psutil.Process()], "producer", descendants=False),
-                   *with_roles(self.service_roots(), "worker", descendants=True)]
-        for role, processes in servers.items():
-            members.extend(with_roles(processes, role, descendants=False))
-        return members
+        return [*with_roles([psutil.Process()], "producer", descendants=False),
+                *with_roles(self.service_roots(), "worker", descendants=True),
+                *_server_members(servers)]
 
     def standalone_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
                              ) -> list[Member]:
@@ -262,8 +266,7 @@ class _Bench:
         PostgreSQL: this arm does not use them, but they run beside it on the same cores as
         beside the service arm (Redis's timers alone took 2.6 ms of CPU a second here with no
         client connected), so each arm is charged what they took during its burst."""
-        members = [(member, role) for role, processes in servers.items()
-                   for member, role in with_roles(processes, role, descendants=False)]
+        members = _server_members(servers)
         if self.options.standalone_on_workers:
             return [*members, *with_roles([psutil.Process()], "bench", descendants=False),
                     *with_roles(self.service_roots(), "worker", descendants=True)]

@@ -59,7 +59,6 @@ def test_usage_splits_cpu_by_role(runner_like_child: psutil.Process) -> None:
     # The child shares its core with the spinner: about half of the 0.5 s each.
     assert used[ENGINE_ROLE] >= 0.1
     assert used[RUNNER_WAIT] >= 0.1
-    assert used[STEAL] >= 0.0
     assert set(used) == {"producer", ENGINE_ROLE, STEAL, RUNNER_WAIT}
 
 

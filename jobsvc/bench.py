@@ -238,7 +238,8 @@ class _Bench:
         self.options = options
         self.progress = progress
         devices = shard_devices(settings)
-        self.workers = LocalWorkers(settings, options.log_dir, devices=list(devices))
+        self.workers = LocalWorkers(replace(settings, bench_control=True), options.log_dir,
+                                    devices=list(devices))
         self.devices = devices
         self.engines: StandaloneEngines | None = None
         self.redis = redis.Redis.from_url(settings.redis_url)

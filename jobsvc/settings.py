@@ -65,6 +65,10 @@ class Settings:
     # Device of each shard in `jobsvc bench`, space-separated: GPU indices on GPU hosts, core
     # lists such as 0-1 on CPU hosts. Empty: the split of a 2-core CPU host.
     bench_devices: str = ""
+    # Workers answer the benchmark's remote-control commands (`workers.bench_control`), which
+    # drive the engine past the queue and the database. `jobsvc bench` turns this on for the
+    # workers it starts; leave it off elsewhere.
+    bench_control: bool = False
     # Seconds before a crashed worker's unacknowledged batches are delivered again. Live
     # workers renew the lease on what they run, so long jobs are never delivered twice.
     visibility_timeout: int = 30

@@ -58,11 +58,13 @@ def settings() -> Settings:
     database_url = recreate_database()
     for url in (WORKER_REDIS_URL, ROUTING_REDIS_URL):
         redis.Redis.from_url(url).flushdb()
-    # The tests size their bursts in messages: small ones keep those bursts short, and
+    # The worker answers the bench's remote-control commands, which some tests send. The
+    # tests size their bursts in messages: small ones keep those bursts short, and
     # chunks smaller than a message make the worker pace its admission as it does in service.
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
                              batch_size=32, admission_chunk=8, worker_concurrency=4,
-                             log_level="INFO", max_message_bytes=16 << 20)
+                             log_level="INFO", max_message_bytes=16 << 20,
+                             bench_control=True)
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,10 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import asdict
 from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.worker.control import control_command
 
 from jobsvc.affinity import ShardState
 from jobsvc.client import CANCEL_CHANNEL, Client
@@ -24,7 +22,7 @@ from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
-from workers import broker_fixes
+from workers import bench_control, broker_fixes
 from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, Pacing, engine_args
@@ -181,42 +179,8 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def on_shutdown(**_: Any) -> None:
         runtime.stop()
 
-    # Remote-control commands for benchmarks: `app.control.broadcast(name, reply=True)`.
-    @control_command()
-    def reset_prefix_cache(_state: Any) -> dict[str, bool]:
-        runtime.engine.reset_prefix_cache()
-        return {"ok": True}
-
-    @control_command()
-    def take_gc_pauses(_state: Any) -> dict[str, float]:
-        return runtime.gc_pauses.take()
-
-    @control_command(args=[("chunk", int), ("pause_ms", float)])
-    def set_admission_pacing(_state: Any, chunk: int, pause_ms: float) -> dict[str, Any]:
-        """Pace the batches admitted from now on `chunk` requests every `pause_ms` (0: all at
-        once), so that the bench can compare admission styles on one running worker. Replies
-        with the pacing it replaced."""
-        try:
-            pacing = Pacing(chunk, pause_ms / 1000)
-        except ValueError as error:
-            return {"error": str(error)}
-        replaced, runtime.engine.pacing = runtime.engine.pacing, pacing
-        return {"chunk": replaced.chunk, "pause_ms": replaced.pause_seconds * 1000}
-
-    @control_command(args=[("jobs_by_shard", list), ("mode", str)])
-    def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]],
-                             mode: str) -> dict[str, float]:
-        """Drive this worker's engine directly with this shard's share of a burst, bypassing
-        queue and database: the benchmark's standalone arm on the very engine the service arm
-        uses, staggered (if so) as `workers.standalone.staggered_pacing` says. The consumer waits
-        meanwhile, so no batch runs beside the burst."""
-        from workers.standalone import run_burst
-
-        jobs = [(document, question, sampling)
-                for document, question, sampling in jobs_by_shard[shard]]
-        with runtime.collections.busy():
-            return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode,
-                                    runtime.engine.pacing))
+    if settings.bench_control:
+        bench_control.register(runtime)
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

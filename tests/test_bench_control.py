@@ -1,0 +1,37 @@
+"""A worker answers the benchmark's remote-control commands only when told to: they drive its
+engine past the queue and the database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from jobsvc.settings import Settings
+from workers.bench_control import COMMANDS
+
+# Builds a worker's app in a process of its own (Celery keeps one registry of commands per
+# process) and prints the remote-control commands it would answer.
+_LIST_COMMANDS = """
+import json, sys
+from celery.worker.control import Panel
+from jobsvc.settings import Settings
+from workers.celery_app import create_worker_app
+create_worker_app(Settings.from_env({}, database_url=sys.argv[1],
+                                    bench_control=sys.argv[2] == "on"), 0)
+print(json.dumps(sorted(Panel.data)))
+"""
+
+
+def _worker_commands(settings: Settings, bench_control: str) -> set[str]:
+    run = subprocess.run([sys.executable, "-c", _LIST_COMMANDS, settings.resolved_database_url,
+                          bench_control], capture_output=True, text=True, timeout=300,
+                         check=True)
+    return set(json.loads(run.stdout.splitlines()[-1]))
+
+
+def test_a_worker_answers_the_bench_commands_only_when_told_to(settings: Settings) -> None:
+    plain = _worker_commands(settings, "off")
+    assert "ping" in plain
+    assert not plain & set(COMMANDS)
+    assert set(COMMANDS) <= _worker_commands(settings, "on")

@@ -1,0 +1,65 @@
+"""The benchmark's remote-control commands (`app.control.broadcast(name, reply=True)`): reset a
+worker's prefix cache, read its GC pauses, change its admission pacing, and drive its engine
+directly with the standalone arm's burst. They bypass the queue and the database, so a worker
+registers them only when told to (`JOBSVC_BENCH_CONTROL`, which `jobsvc bench` sets on the
+workers it starts)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from celery.worker.control import control_command
+
+from workers.engine import Pacing
+
+if TYPE_CHECKING:
+    from workers.celery_app import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "set_admission_pacing",
+            "run_standalone_burst")
+
+
+def register(runtime: WorkerRuntime) -> None:
+    """Make this process's worker answer the commands, acting on `runtime`."""
+    log.warning("shard %d answers the benchmark's remote-control commands "
+                "(JOBSVC_BENCH_CONTROL)", runtime.shard)
+
+    @control_command()
+    def reset_prefix_cache(_state: Any) -> dict[str, bool]:
+        runtime.engine.reset_prefix_cache()
+        return {"ok": True}
+
+    @control_command()
+    def take_gc_pauses(_state: Any) -> dict[str, float]:
+        return runtime.gc_pauses.take()
+
+    @control_command(args=[("chunk", int), ("pause_ms", float)])
+    def set_admission_pacing(_state: Any, chunk: int, pause_ms: float) -> dict[str, Any]:
+        """Pace the batches admitted from now on `chunk` requests every `pause_ms` (0: all at
+        once), so that the bench can compare admission styles on one running worker. Replies
+        with the pacing it replaced."""
+        try:
+            pacing = Pacing(chunk, pause_ms / 1000)
+        except ValueError as error:
+            return {"error": str(error)}
+        replaced, runtime.engine.pacing = runtime.engine.pacing, pacing
+        return {"chunk": replaced.chunk, "pause_ms": replaced.pause_seconds * 1000}
+
+    @control_command(args=[("jobs_by_shard", list), ("mode", str)])
+    def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]],
+                             mode: str) -> dict[str, float]:
+        """Drive this worker's engine directly with this shard's share of a burst, bypassing
+        queue and database: the benchmark's standalone arm on the very engine the service arm
+        uses, staggered (if so) as `workers.standalone.staggered_pacing` says. The consumer waits
+        meanwhile, so no batch runs beside the burst."""
+        from workers.standalone import run_burst
+
+        jobs = [(document, question, sampling)
+                for document, question, sampling in jobs_by_shard[runtime.shard]]
+        with runtime.collections.busy():
+            return asdict(run_burst([runtime.engine], runtime.prompts, [jobs], mode,
+                                    runtime.engine.pacing))

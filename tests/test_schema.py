@@ -7,7 +7,6 @@ import pytest
 from jobsvc.batching import form_batches
 from jobsvc.errors import InvalidJob
 from jobsvc.schema import BatchMessage, MessageError, QueuedJob, validate_job
-from workers.batch import admission_parts
 
 LIMITS = {"max_document_chars": 1000, "max_question_chars": 100}
 
@@ -68,12 +67,3 @@ def test_batches_keep_a_documents_questions_together() -> None:
     messages = form_batches(placed, batch_size=4)
     assert [(m.shard, [j.job_id for j in m.jobs]) for m in messages] == [
         (0, ["a1", "a2", "a3", "c1"]), (0, ["c2"]), (1, ["b1"])]
-
-
-def test_a_worker_admits_a_messages_first_document_before_the_rest() -> None:
-    jobs = [_job("a1", "A"), _job("a2", "A"), _job("c1", "C"), _job("b1", "B")]
-    assert [[j.job_id for j in part] for part in admission_parts(jobs)] == [
-        ["a1", "a2"], ["c1", "b1"]]
-    one_document = [_job("a1", "A"), _job("a2", "A")]
-    assert [[j.job_id for j in part] for part in admission_parts(one_document)] == [
-        ["a1", "a2"]]

@@ -1,11 +1,10 @@
 """The batch loop: one Celery task per micro-batch message. It refuses what is not ours, skips
 jobs cancelled while queued, reads the documents of the rest from the store, admits them to
-the engine (the first document's jobs first, the rest as soon as they are claimed), and
-returns (so the message is acknowledged) only when every result is committed."""
+the engine at once, and returns (so the message is acknowledged) only when every result is
+committed."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -48,37 +47,27 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
-        results: list[EngineResult] = []
-        started = time.time()
-        admitted = [self._admit(message.shard, part, results)
-                    for part in admission_parts(message.jobs)]
-        ran = 0
-        for future, completion, jobs in admitted:
-            future.result()
-            completion.wait()
-            ran += jobs
-        if results:
-            self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
-        return {"jobs": ran, "skipped": len(message.jobs) - ran}
-
-    def _admit(self, shard: int, part: Sequence[QueuedJob], results: list[EngineResult]
-               ) -> tuple[concurrent.futures.Future[None], Completion, int]:
-        """Claim these jobs of a message and hand those that run to the engine; returns the
-        engine's future, their completion and how many run."""
-        jobs, requests, checks = self._claim(shard, part)
+        jobs, requests, checks = self._claim(message)
         prefill = {job.job_id: job.estimated_prefill for job in jobs}
         completion = Completion(len(jobs))
+        results: list[EngineResult] = []
+        started = time.time()
 
         def on_result(result: EngineResult) -> None:
             results.append(result)
             with self._lock:
                 self._running.discard(result.job_id)
-            self._recorder.job_finished(_outcome(result), shard, prefill[result.job_id],
-                                        checks[result.job_id], completion)
+            self._recorder.job_finished(_outcome(result), message.shard,
+                                        prefill[result.job_id], checks[result.job_id],
+                                        completion)
 
         with self._lock:
             self._running.update(prefill)
-        return self._engine.submit(requests, on_result), completion, len(jobs)
+        self._engine.submit(requests, on_result).result()
+        completion.wait()
+        if results:
+            self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
+        return {"jobs": len(jobs), "skipped": len(message.jobs) - len(jobs)}
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """Wait out a database outage: the message stays unacknowledged (and its lease
@@ -93,19 +82,19 @@ class BatchRunner:
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
 
-    def _claim(self, shard: int, part: Sequence[QueuedJob]
+    def _claim(self, message: BatchMessage
                ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
-        """Claim these jobs of a message; return those that run, their engine requests, and what
+        """Claim the message's jobs; return those that run, their engine requests, and what
         each one's cache hit is checked against. Jobs that will not run (cancelled, finished,
         or failed by the claim) are skipped. A document's tokens are one tuple that all its
         questions' requests share (see EngineRequest)."""
-        documents = self._claimed_documents(part)
-        skipped = [job for job in part if job.job_id not in documents]
+        documents = self._claimed_documents(message.jobs)
+        skipped = [job for job in message.jobs if job.job_id not in documents]
         if skipped:
             log.info("shard %d skips %d jobs that will not run (cancelled, finished, or "
                      "failed at their claim)", self.shard, len(skipped))
-            self._recorder.release_load(shard, sum(j.estimated_prefill for j in skipped))
-        jobs = [job for job in part if job.job_id in documents]
+            self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
+        jobs = [job for job in message.jobs if job.job_id in documents]
         requests = [EngineRequest(job.job_id, documents[job.job_id],
                                   tuple(job.question_tokens), job.sampling) for job in jobs]
         checks = {request.job_id: CacheCheck(
@@ -148,17 +137,6 @@ class BatchRunner:
             "wall_seconds": wall, "requests_per_second": len(results) / wall,
             "tokens_per_second": completion_tokens / wall,
         }
-
-
-def admission_parts(jobs: Sequence[QueuedJob]) -> list[Sequence[QueuedJob]]:
-    """A message's jobs in the parts a worker claims and admits one after the other: the
-    first document's jobs, then the rest. The engine starts on the first document while the
-    rest are claimed: a 256-job burst's first requests reached an idle engine 8-12 ms after
-    the publish instead of 17-23 (the whole claim went before them). Messages keep a
-    document's jobs adjacent."""
-    split = next((index for index, job in enumerate(jobs)
-                  if job.document_key != jobs[0].document_key), len(jobs))
-    return [jobs[:split], jobs[split:]] if split < len(jobs) else [jobs]
 
 
 def _outcome(result: EngineResult) -> JobOutcome:

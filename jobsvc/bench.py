@@ -102,12 +102,24 @@ class BenchOptions:
     # what paced admission gains or costs. Each slot of a pair submits documents of its own,
     # so that neither finds the other's already stored.
     compare_admission: bool = False
+    # The standalone arm's admission style (`workers.standalone.ADMISSION_MODES`), fixed for
+    # the run; None calibrates between the styles and keeps the faster. A fixed style lets
+    # two runs, one per style, measure the service against each with the same workload.
+    standalone_admission: str | None = None
 
 
 def check_options(settings: Settings, options: BenchOptions) -> None:
     """Refuse combinations of options that would not measure what they name."""
+    from workers.standalone import ADMISSION_MODES
+
+    if options.standalone_admission not in (None, *ADMISSION_MODES):
+        raise ConfigurationError(f"--standalone-admission must be one of {ADMISSION_MODES}, "
+                                 f"not {options.standalone_admission!r}")
     if not options.compare_admission:
         return
+    if options.standalone_admission:
+        raise ConfigurationError("--compare-admission runs no standalone arm; leave out "
+                                 "--standalone-admission")
     if options.standalone_twice:
         raise ConfigurationError("--compare-admission and --standalone-twice each replace an "
                                  "arm; run them separately")
@@ -509,8 +521,10 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
     # Both arms run full bursts before the pairs (the standalone arm through calibration),
     # so neither meets the burst shape for the first time inside a measured pair.
     bench.run_service(client, calibration_jobs, calibration_shape, None)
-    mode, calibration = "all", {}
-    if not options.compare_admission:
+    mode, calibration = options.standalone_admission or "all", {}
+    if options.standalone_admission:
+        bench.run_standalone(calibration_jobs, calibration_shape, mode, record=False)
+    elif not options.compare_admission:
         mode, calibration = _calibrate(bench, calibration_jobs, calibration_shape, modes)
 
     pairs: list[Pair] = []

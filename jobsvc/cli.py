@@ -51,7 +51,8 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            fresh_engines=args.fresh_engines,
                            standalone_on_workers=not args.own_standalone_engines,
                            standalone_twice=args.standalone_twice,
-                           compare_admission=args.compare_admission)
+                           compare_admission=args.compare_admission,
+                           standalone_admission=args.standalone_admission)
     result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="A/B run: the service admitting each message at once in the "
                             "standalone arm's place, to see what paced admission "
                             "(JOBSVC_ADMISSION_CHUNK, JOBSVC_ADMISSION_PAUSE_MS) gains or costs")
+    bench.add_argument("--standalone-admission", metavar="STYLE",
+                       help="fix the standalone arm's admission style, all or staggered "
+                            "(default: calibrate and keep the faster)")
     bench.set_defaults(run=_bench)
     simulate = commands.add_parser(
         "simulate", help="replay a workload over simulated shards under one routing policy")

@@ -296,8 +296,11 @@ def test_the_plot_of_a_run_names_what_stood_in_each_slot(tmp_path: Path) -> None
     (BenchOptions(compare_admission=True, standalone_on_workers=False), 32,
      "--own-standalone-engines"),
     (BenchOptions(compare_admission=True), 0, "set it to the chunk"),
+    (BenchOptions(compare_admission=True, standalone_admission="all"), 32,
+     "--standalone-admission"),
+    (BenchOptions(standalone_admission="paced"), 0, "must be one of"),
 ])
-def test_an_admission_a_b_run_refuses_options_that_would_not_compare_admission(
+def test_the_bench_refuses_options_that_would_not_measure_what_they_name(
         options: BenchOptions, chunk: int, refusal: str) -> None:
     with pytest.raises(ConfigurationError, match=refusal):
         check_options(Settings(admission_chunk=chunk), options)
@@ -305,6 +308,8 @@ def test_an_admission_a_b_run_refuses_options_that_would_not_compare_admission(
 
 def test_the_usual_runs_pass_the_option_check() -> None:
     for options in (BenchOptions(), BenchOptions(standalone_twice=True),
-                    BenchOptions(compare_admission=True)):
+                    BenchOptions(compare_admission=True),
+                    BenchOptions(standalone_admission="all"),
+                    BenchOptions(standalone_admission="staggered")):
         check_options(Settings(admission_chunk=0 if not options.compare_admission else 8),
                       options)

@@ -331,6 +331,15 @@ class _Bench:
             raise RuntimeError(f"{command} failed on a worker: {failed[0]}")
         return replies
 
+    def engine_step_totals(self, on_workers: bool) -> dict[str, float] | None:
+        """The workers' engines' steps so far and the tokens they computed, summed; None for
+        engines of the bench's own (their counters share this process's registry, so they
+        would not be told apart)."""
+        if not on_workers:
+            return None
+        replies = self.ask_every_worker("engine_steps", timeout=5, arguments={})
+        return {part: sum(reply[part] for reply in replies) for part in ("steps", "tokens")}
+
     def pace_admission(self, chunk: int, pause_ms: float) -> None:
         """Have every worker pace the batches it admits from now on."""
         self.ask_every_worker("set_admission_pacing", timeout=10,
@@ -358,6 +367,7 @@ class _Bench:
         self.ask_workers("reset_prefix_cache", timeout=10)
         reset_routing_state(self.redis, self.settings.shards)
         self.ask_workers("take_gc_pauses", timeout=5)
+        steps_before = self.engine_step_totals(on_workers=True)
         time.sleep(_SETTLE_SECONDS)
         # The arm ends when the producer hears of the commit that finished its last job: the
         # notification that preceded the check finding none unfinished, or one arriving just
@@ -399,6 +409,7 @@ class _Bench:
             sample()
             samples.insert(0, (started, dict.fromkeys(samples[0][1], 0.0)))
         records = client.wait(ids)
+        steps = _steps_between(steps_before, self.engine_step_totals(on_workers=True))
         # Without notifications (a database that sends none), the moment the last result was
         # recorded stands in (a failed job has no result; its engine finish does).
         last_recorded = max(_timestamp(record.recorded_at or record.finished_at)
@@ -435,7 +446,7 @@ class _Bench:
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
                          head_seconds=first_claim - started,
                          tail_seconds=max(0.0, finished - last_engine_finish),
-                         runner_wait_seconds=runner_wait)
+                         runner_wait_seconds=runner_wait, **steps)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -451,12 +462,14 @@ class _Bench:
         on_workers = engines is None
         if on_workers:
             self.ask_workers("take_gc_pauses", timeout=5)
+        steps_before = self.engine_step_totals(on_workers)
         time.sleep(_SETTLE_SECONDS)
         processes = self.standalone_processes(server_processes())
         usage = Usage(processes)
         run = (engines.run(per_engine, mode) if engines is not None
                else self.run_on_workers(per_engine, mode))
         cpu_by_role = usage.since_start()
+        steps = _steps_between(steps_before, self.engine_step_totals(on_workers))
         steal = cpu_by_role.pop(STEAL)
         runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if record:
@@ -465,7 +478,8 @@ class _Bench:
             if on_workers:
                 self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
-                         head_seconds=run.head_seconds, runner_wait_seconds=runner_wait)
+                         head_seconds=run.head_seconds, runner_wait_seconds=runner_wait,
+                         **steps)
 
 
     def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
@@ -486,6 +500,16 @@ class _Bench:
             return self.run_standalone(jobs, shape, mode)
         self.pace_admission(0, 0.0)
         return self.run_service(client, jobs, shape, self.all_at_once_totals)
+
+
+def _steps_between(before: dict[str, float] | None, after: dict[str, float] | None
+                   ) -> dict[str, float | None]:
+    """A burst's engine steps and step tokens, as ArmResult's fields, from the totals read
+    before and after it."""
+    if before is None or after is None:
+        return {"engine_steps": None, "engine_step_tokens": None}
+    return {"engine_steps": after["steps"] - before["steps"],
+            "engine_step_tokens": after["tokens"] - before["tokens"]}
 
 
 def _timestamp(moment: datetime | None) -> float:
@@ -686,6 +710,10 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "service_tail_ms": pair.service.tail_seconds * 1000,
         "standalone_runner_wait_ms": pair.standalone.runner_wait_seconds * 1000,
         "service_runner_wait_ms": pair.service.runner_wait_seconds * 1000,
+        "standalone_engine_steps": pair.standalone.engine_steps,
+        "service_engine_steps": pair.service.engine_steps,
+        "standalone_engine_step_tokens": pair.standalone.engine_step_tokens,
+        "service_engine_step_tokens": pair.service.engine_step_tokens,
     }
 
 

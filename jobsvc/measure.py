@@ -129,6 +129,10 @@ class ArmResult:
     # Time the engine's model-running threads spent runnable but without a core while the arm
     # ran: on a host whose cores the engine keeps busy, what other processes' CPU cost it.
     runner_wait_seconds: float = 0.0
+    # The engines' scheduler steps in the arm's burst and the tokens those steps computed
+    # (`workers.bench_control.engine_step_totals`); None where they could not be read.
+    engine_steps: float | None = None
+    engine_step_tokens: float | None = None
 
     @property
     def cpu_seconds(self) -> float:
@@ -216,12 +220,26 @@ def summarize_pairs(pairs: Sequence[Pair]
         "runner_wait_ms": {arm: median([getattr(pair, arm).runner_wait_seconds * 1000
                                         for pair in pairs])
                            for arm in ("standalone", "service")},
+        # The median steps of each arm's bursts and the tokens they computed: equal when the
+        # engines scheduled both arms' jobs alike, so that any difference in time is speed.
+        "engine_steps": _arm_medians(pairs, "engine_steps"),
+        "engine_step_tokens": _arm_medians(pairs, "engine_step_tokens"),
         "service_tail_ms": {"p50": median([pair.service.tail_seconds * 1000 for pair in pairs]),
                             "max": max(pair.service.tail_seconds * 1000 for pair in pairs)},
         # Where each arm's CPU outside the engine went, in milliseconds per job.
         "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
         "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),
     }
+
+
+def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
+    """Each arm's median of an optional figure; None for an arm where a pair lacks it."""
+    medians: dict[str, float | None] = {}
+    for arm in ("standalone", "service"):
+        values = [getattr(getattr(pair, arm), figure) for pair in pairs]
+        present = [value for value in values if value is not None]
+        medians[arm] = median(present) if len(present) == len(values) else None
+    return medians
 
 
 def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:

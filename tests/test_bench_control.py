@@ -7,8 +7,11 @@ import json
 import subprocess
 import sys
 
+import prometheus_client
+import pytest
+
 from jobsvc.settings import Settings
-from workers.bench_control import COMMANDS
+from workers.bench_control import COMMANDS, STEP_HISTOGRAM, engine_step_totals
 
 # Builds a worker's app in a process of its own (Celery keeps one registry of commands per
 # process) and prints the remote-control commands it would answer.
@@ -36,3 +39,17 @@ def test_a_worker_answers_the_bench_commands_only_when_told_to(settings: Setting
     assert not plain & set(COMMANDS)
     # Exactly these: a command the gate adds that COMMANDS does not name fails here too.
     assert _worker_commands(settings, "on") - plain == set(COMMANDS)
+
+
+def test_step_totals_count_every_engines_steps_and_their_tokens() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    steps = prometheus_client.Histogram(STEP_HISTOGRAM, "tokens per step", ["engine"],
+                                        registry=registry)
+    unrelated = prometheus_client.Histogram("vllm:time_to_first_token_seconds", "ttft",
+                                            registry=registry)
+    for engine, tokens in (("0", 2048), ("0", 300), ("1", 16)):
+        steps.labels(engine=engine).observe(tokens)
+    unrelated.observe(5.0)
+    assert engine_step_totals(registry) == pytest.approx({"steps": 3, "tokens": 2364})
+    assert engine_step_totals(prometheus_client.CollectorRegistry()) == {"steps": 0.0,
+                                                                        "tokens": 0.0}

@@ -313,3 +313,19 @@ def test_the_usual_runs_pass_the_option_check() -> None:
                     BenchOptions(standalone_admission="staggered")):
         check_options(Settings(admission_chunk=0 if not options.compare_admission else 8),
                       options)
+
+
+def test_engine_steps_are_summarized_per_arm_and_left_out_where_an_arm_lacks_them() -> None:
+    def arm(steps: float | None) -> ArmResult:
+        return ArmResult(jobs=8, seconds=2.0, output_tokens=8, cpu_by_role={"worker": 1.0},
+                         engine_steps=steps,
+                         engine_step_tokens=None if steps is None else steps * 100)
+
+    pairs = [Pair(arm(74), arm(73), service_first=False), Pair(arm(74), arm(75), True),
+             Pair(arm(70), arm(74), False)]
+    summary = summarize_pairs(pairs)
+    assert summary["engine_steps"] == {"standalone": 74, "service": 74}
+    assert summary["engine_step_tokens"] == {"standalone": 7400, "service": 7400}
+    own_engines = [Pair(arm(None), arm(74), False), Pair(arm(None), arm(73), True)]
+    assert summarize_pairs(own_engines)["engine_steps"] == {"standalone": None,
+                                                            "service": 73.5}

@@ -38,6 +38,22 @@ def test_a_burst_on_the_workers_engine_runs_every_job_and_reuses_the_document(
         assert run["finished"] > run["started"]
 
 
+def test_the_workers_step_counters_count_a_bursts_steps_and_computed_tokens(
+        settings: Settings, worker: LocalWorkers) -> None:
+    rng = random.Random(32)
+    output_tokens = 3
+    sampling = {"max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}
+    jobs = [[document(rng, 300), question(rng), sampling] for _ in range(2)]
+    before = ask_worker(settings, "engine_steps", {})
+    run = _burst(settings, jobs, "all")
+    after = ask_worker(settings, "engine_steps", {})
+    steps, tokens = after["steps"] - before["steps"], after["tokens"] - before["tokens"]
+    # A prefill step yields each request's first token, a decode step each later one.
+    assert output_tokens <= steps <= tokens
+    # Every prompt token not found cached is computed once, and every output token counts.
+    assert tokens == run["prompt_tokens"] - run["cached_tokens"] + run["output_tokens"]
+
+
 def test_an_unknown_admission_mode_comes_back_as_an_error(
         settings: Settings, worker: LocalWorkers) -> None:
     reading = _burst(settings, [["a document", "a question", {"max_tokens": 1}]], "sideways")

@@ -1,8 +1,8 @@
 """The benchmark's remote-control commands (`app.control.broadcast(name, reply=True)`): reset a
-worker's prefix cache, read its GC pauses, change its admission pacing, and drive its engine
-directly with the standalone arm's burst. They bypass the queue and the database, so a worker
-registers them only when told to (`JOBSVC_BENCH_CONTROL`, which `jobsvc bench` sets on the
-workers it starts)."""
+worker's prefix cache, read its GC pauses and its engine's step counters, change its admission
+pacing, and drive its engine directly with the standalone arm's burst. They bypass the queue
+and the database, so a worker registers them only when told to (`JOBSVC_BENCH_CONTROL`, which
+`jobsvc bench` sets on the workers it starts)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+import prometheus_client
 from celery.worker.control import control_command
 
 from workers.engine import Pacing
@@ -19,8 +20,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "set_admission_pacing",
+COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "engine_steps", "set_admission_pacing",
             "run_standalone_burst")
+# vLLM observes every scheduler step's token count in this histogram, once per engine.
+STEP_HISTOGRAM = "vllm:iteration_tokens_total"
+
+
+def engine_step_totals(registry: prometheus_client.CollectorRegistry) -> dict[str, float]:
+    """The steps the engines of this process have run so far and the tokens those steps
+    computed (prompt tokens not found cached, and generated ones), summed over engines. Two
+    bursts of the same jobs that differ here were scheduled differently; bursts that agree
+    here and differ in time ran the same steps at different speeds."""
+    totals = {"steps": 0.0, "tokens": 0.0}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name == f"{STEP_HISTOGRAM}_count":
+                totals["steps"] += sample.value
+            elif sample.name == f"{STEP_HISTOGRAM}_sum":
+                totals["tokens"] += sample.value
+    return totals
 
 
 def register(runtime: WorkerRuntime) -> None:
@@ -36,6 +54,10 @@ def register(runtime: WorkerRuntime) -> None:
     @control_command()
     def take_gc_pauses(_state: Any) -> dict[str, float]:
         return runtime.gc_pauses.take()
+
+    @control_command()
+    def engine_steps(_state: Any) -> dict[str, float]:
+        return engine_step_totals(prometheus_client.REGISTRY)
 
     @control_command(args=[("chunk", int), ("pause_ms", float)])
     def set_admission_pacing(_state: Any, chunk: int, pause_ms: float) -> dict[str, Any]:

@@ -453,12 +453,12 @@ class _Bench:
         engines = self.engines
         if engines is None and not self.options.standalone_on_workers:
             raise RuntimeError("the standalone engines are not running")
+        from workers.standalone import as_job
+
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
         for job, shard in zip(jobs, shape.shard_of_job, strict=True):
-            sampling = {key: value for key, value in job.items()
-                        if key not in ("document", "question")}
-            per_engine[shard].append((job["document"], job["question"], sampling))
+            per_engine[shard].append(as_job(job))
         on_workers = engines is None
         if on_workers:
             self.ask_workers("take_gc_pauses", timeout=5)

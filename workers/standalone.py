@@ -13,7 +13,7 @@ import gc
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,15 @@ STAGGERED_PACING = Pacing(32, 0.015)
 
 
 Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings)
+
+
+def as_job(job: Mapping[str, Any]) -> Job:
+    """A bench job (`document`, `question` and its sampling keys) as the standalone arm
+    takes it."""
+    sampling = {key: value for key, value in job.items() if key not in ("document", "question")}
+    return job["document"], job["question"], sampling
+
+
 # A job's tokens as the engine takes them: (document, question, sampling settings).
 Prompt = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
 

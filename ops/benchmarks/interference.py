@@ -74,16 +74,15 @@ def main() -> None:
     # Standard output is for the JSON; the engine logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-    from workers.standalone import StandaloneEngines
+    from workers.standalone import Job, StandaloneEngines, as_job
 
     settings = Settings.from_env(shards=1)
     cores = len(os.sched_getaffinity(0))
     engines = StandaloneEngines(settings, shard_devices(settings))
     options = BenchOptions(workload="reuse")
 
-    def jobs_of(trial: int) -> list[tuple[str, str, dict[str, Any]]]:
-        return [(job.pop("document"), job.pop("question"), job)
-                for job in bench_jobs(options, trial)]
+    def jobs_of(trial: int) -> list[Job]:
+        return [as_job(job) for job in bench_jobs(options, trial)]
 
     try:
         run_burst(engines, jobs_of(0), args.mode, None, 0.0)  # warm-up

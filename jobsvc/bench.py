@@ -37,7 +37,15 @@ from jobsvc.measure import (
     summarize_pairs,
 )
 from jobsvc.migrate import upgrade_to_head
-from jobsvc.processes import RUNNER_WAIT, STEAL, Member, Usage, server_processes, with_roles
+from jobsvc.processes import (
+    MACHINE_CPU,
+    RUNNER_WAIT,
+    STEAL,
+    Member,
+    Usage,
+    server_processes,
+    with_roles,
+)
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import Router, make_router, reset_routing_state
 from jobsvc.routing import document_keys
@@ -382,7 +390,8 @@ class _Bench:
             # standalone arm's is read when its last request returns. Not while the burst
             # runs: a sample reads every process's counters (about 2 ms of CPU), taken from
             # the engines' cores, which the standalone arm's burst does not pay. The sampling's
-            # own CPU is the bench's, not the service's: it is taken out of the producer's.
+            # own CPU is the bench's, not the service's: it is taken out of the producer's
+            # (and the machine's).
             samples: list[tuple[float, dict[str, float]]] = []
             sampling = 0.0
 
@@ -392,6 +401,8 @@ class _Bench:
                 used = usage.since_start()
                 sampling += time.thread_time() - sampling_started
                 used["producer"] -= sampling
+                if MACHINE_CPU in used:
+                    used[MACHINE_CPU] -= sampling
                 samples.append((time.time(), used))
 
             started = time.time()
@@ -419,6 +430,7 @@ class _Bench:
                                          for moment, used in samples], finished)
                        for role in samples[-1][1]}
         steal = cpu_by_role.pop(STEAL)
+        machine = cpu_by_role.pop(MACHINE_CPU, None)
         runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if totals is not None:
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -446,7 +458,7 @@ class _Bench:
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
                          head_seconds=first_claim - started,
                          tail_seconds=max(0.0, finished - last_engine_finish),
-                         runner_wait_seconds=runner_wait, **steps)
+                         runner_wait_seconds=runner_wait, machine_cpu_seconds=machine, **steps)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:
@@ -471,6 +483,7 @@ class _Bench:
         cpu_by_role = usage.since_start()
         steps = _steps_between(steps_before, self.engine_step_totals(on_workers))
         steal = cpu_by_role.pop(STEAL)
+        machine = cpu_by_role.pop(MACHINE_CPU, None)
         runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
@@ -479,7 +492,7 @@ class _Bench:
                 self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
                          head_seconds=run.head_seconds, runner_wait_seconds=runner_wait,
-                         **steps)
+                         machine_cpu_seconds=machine, **steps)
 
 
     def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
@@ -705,6 +718,8 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
             outside_engine_ms_per_job_by_role([pair.service]),
         "standalone_steal_s": pair.standalone.steal_seconds,
         "service_steal_s": pair.service.steal_seconds,
+        "standalone_unaccounted_cpu_s": pair.standalone.unaccounted_cpu_seconds,
+        "service_unaccounted_cpu_s": pair.service.unaccounted_cpu_seconds,
         "standalone_head_ms": pair.standalone.head_seconds * 1000,
         "service_head_ms": pair.service.head_seconds * 1000,
         "service_tail_ms": pair.service.tail_seconds * 1000,

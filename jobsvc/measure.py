@@ -81,15 +81,31 @@ def reading_at(samples: Sequence[tuple[float, float]], moment: float) -> float:
     return ordered[-1][1]
 
 
-def steal_seconds(proc_stat: str, ticks_per_second: float) -> float:
-    """CPU time the hypervisor gave to other guests, summed over cores, from the text of
-    /proc/stat (its `cpu` line's eighth value, in clock ticks). On a virtual machine this
-    time is lost to the wall clock of whichever arm runs, but never shows in its CPU time."""
+def _aggregate_cpu_ticks(proc_stat: str) -> list[int]:
+    """The clock-tick counters of /proc/stat's aggregate `cpu` line, summed over cores:
+    user, nice, system, idle, iowait, irq, softirq, steal and on (older kernels stop early)."""
     for line in proc_stat.splitlines():
         fields = line.split()
         if fields and fields[0] == "cpu":
-            return int(fields[8]) / ticks_per_second if len(fields) > 8 else 0.0
+            return [int(field) for field in fields[1:]]
     raise ValueError("no aggregate cpu line in /proc/stat text")
+
+
+def steal_seconds(proc_stat: str, ticks_per_second: float) -> float:
+    """CPU time the hypervisor gave to other guests, summed over cores, from the text of
+    /proc/stat. On a virtual machine this time is lost to the wall clock of whichever arm
+    runs, but never shows in its CPU time."""
+    ticks = _aggregate_cpu_ticks(proc_stat)
+    return ticks[7] / ticks_per_second if len(ticks) > 7 else 0.0
+
+
+def busy_seconds(proc_stat: str, ticks_per_second: float) -> float:
+    """CPU time the cores spent running anything (user, nice, system, irq and softirq time;
+    a guest's time is already in user), summed over cores, from the text of /proc/stat:
+    what every process and the kernel took, whether or not an arm's accounting names them."""
+    ticks = _aggregate_cpu_ticks(proc_stat)
+    return sum(ticks[index] for index in (0, 1, 2, 5, 6) if index < len(ticks)
+               ) / ticks_per_second
 
 
 def schedstat_wait_ns(schedstat: str) -> int:
@@ -118,6 +134,9 @@ class ArmResult:
     cpu_by_role: Mapping[str, float]
     # CPU time stolen by the hypervisor while the arm ran (0 on bare metal).
     steal_seconds: float = 0.0
+    # CPU time the whole machine spent while the arm ran (`busy_seconds`); None where it
+    # could not be read.
+    machine_cpu_seconds: float | None = None
     # From the arm's start to its first job handed to an engine: the burst's head, when the
     # engines wait for tokenizing (both arms) and for recording, publishing and claiming
     # (the service only).
@@ -144,6 +163,16 @@ class ArmResult:
         between steps, so their CPU time follows the wall clock, noise included."""
         return sum(seconds for role, seconds in self.cpu_by_role.items()
                    if role != ENGINE_ROLE)
+
+    @property
+    def unaccounted_cpu_seconds(self) -> float | None:
+        """The machine's CPU that none of the arm's processes spent: the kernel's threads and
+        interrupts, the machine's daemons, and processes that came and went during the arm
+        (a database server's worker, say). An arm that costs the engine time it does not
+        account for shows it here."""
+        if self.machine_cpu_seconds is None:
+            return None
+        return self.machine_cpu_seconds - self.cpu_seconds
 
     @property
     def requests_per_second(self) -> float:
@@ -206,6 +235,9 @@ def summarize_pairs(pairs: Sequence[Pair]
         # neither arm's CPU accounting sees.
         "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
         "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
+        # The machine's CPU outside each arm's processes, in ms per job.
+        "unaccounted_cpu_ms_per_job": {arm: _unaccounted_ms_per_job(pairs, arm)
+                                       for arm in ("standalone", "service")},
         # The median head of each arm's bursts; the service's extra head as a share of its
         # burst (the engines idle for that long while the burst is already timed) and the
         # ratio without the heads, each a median over pairs.
@@ -240,6 +272,16 @@ def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
         present = [value for value in values if value is not None]
         medians[arm] = median(present) if len(present) == len(values) else None
     return medians
+
+
+def _unaccounted_ms_per_job(pairs: Sequence[Pair], arm: str) -> float | None:
+    """An arm's unaccounted CPU in milliseconds per job over all pairs; None where a pair
+    lacks it."""
+    results = [getattr(pair, arm) for pair in pairs]
+    seconds = [result.unaccounted_cpu_seconds for result in results]
+    if any(value is None for value in seconds):
+        return None
+    return sum(seconds) / sum(result.jobs for result in results) * 1000
 
 
 def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:

@@ -13,6 +13,7 @@ import psutil
 from jobsvc.measure import (
     ENGINE_ROLE,
     ProcessKey,
+    busy_seconds,
     cpu_seconds_by_role,
     schedstat_wait_ns,
     steal_seconds,
@@ -29,6 +30,8 @@ MODEL_RUNNER_PREFIX = "VLLM::Worker"
 # idle threads go on spinning, and waiting, after an arm's last job.
 STEAL = "steal"
 RUNNER_WAIT = "runner wait"
+# And the key under which it carries the CPU time of the whole machine.
+MACHINE_CPU = "machine cpu"
 
 Member = tuple[psutil.Process, str]
 
@@ -72,24 +75,26 @@ class Usage:
         self._runners = _model_runner_threads(processes)
         self._cpu = _cpu_seconds(processes)
         self._waits = _waits(self._runners)
-        self._steal = _steal_now()
+        self._machine = _machine_now()
 
     def since_start(self) -> dict[str, float]:
-        """CPU seconds by role, with the steal under STEAL and the runner wait under
-        RUNNER_WAIT (both in seconds)."""
+        """CPU seconds by role, with the steal under STEAL, the runner wait under RUNNER_WAIT
+        and the whole machine's CPU under MACHINE_CPU (all in seconds)."""
         used = cpu_seconds_by_role(self._cpu, _cpu_seconds(self._processes))
-        used[STEAL] = _steal_now() - self._steal
+        used.update({key: now - self._machine[key] for key, now in _machine_now().items()})
         used[RUNNER_WAIT] = wait_seconds(self._waits, _waits(self._runners))
         return used
 
 
-def _steal_now() -> float:
-    """Seconds stolen from this machine's cores by the hypervisor so far (0 off Linux)."""
+def _machine_now() -> dict[str, float]:
+    """Seconds the hypervisor has stolen from this machine's cores so far (0 off Linux), and
+    seconds its cores have been busy (only on Linux)."""
     try:
         text = Path("/proc/stat").read_text()
     except OSError:
-        return 0.0
-    return steal_seconds(text, os.sysconf("SC_CLK_TCK"))
+        return {STEAL: 0.0}
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {STEAL: steal_seconds(text, ticks), MACHINE_CPU: busy_seconds(text, ticks)}
 
 
 def _cpu_seconds(processes: Iterable[Member]) -> dict[ProcessKey, float]:

@@ -25,6 +25,7 @@ from jobsvc.measure import (
     ENGINE_ROLE,
     ArmResult,
     Pair,
+    busy_seconds,
     cpu_seconds_by_role,
     ideal_hit_rate,
     median,
@@ -121,6 +122,28 @@ def test_steal_is_read_from_the_aggregate_cpu_line_and_summed_per_arm() -> None:
     summary = summarize_pairs(pairs)
     assert summary["standalone_steal_seconds_per_job"] == pytest.approx(0.001)
     assert summary["service_steal_seconds_per_job"] == pytest.approx(0.008)
+
+
+def test_the_machines_cpu_is_its_busy_time_and_what_no_process_of_an_arm_spent() -> None:
+    # user, nice, system, idle, iowait, irq, softirq, steal, guest, guest_nice
+    proc_stat = "cpu  437606 34234 72958 351094 4700 120 1150 52218 900 0\n"
+    assert busy_seconds(proc_stat, 100) == pytest.approx(5460.68)
+    assert busy_seconds("cpu  1 2 3 4\n", 100) == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        busy_seconds("intr 1 2 3\n", 100)
+    # Each arm's processes spent 20 s; the machine 20.5 and 21.5 s in the first pair.
+    pairs = [Pair(replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=20.5),
+                  replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=21.5), False),
+             Pair(replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=20.3),
+                  replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=20.7), True)]
+    assert pairs[0].service.unaccounted_cpu_seconds == pytest.approx(1.5)
+    summary = summarize_pairs(pairs)
+    assert summary["unaccounted_cpu_ms_per_job"] == {
+        "standalone": pytest.approx(4.0), "service": pytest.approx(11.0)}
+    unread = [Pair(_arm(100, 10.0, 20.0), pairs[0].service, False), pairs[1]]
+    assert _arm(100, 10.0, 20.0).unaccounted_cpu_seconds is None
+    assert summarize_pairs(unread)["unaccounted_cpu_ms_per_job"] == {
+        "standalone": None, "service": pytest.approx(11.0)}
 
 
 def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_burst() -> None:

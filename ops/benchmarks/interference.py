@@ -10,6 +10,7 @@ preempts holds up the engine's other threads too (OpenMP's threads meet at a bar
 layer, so a step waits for the slowest). Prints JSON.
 
     python ops/benchmarks/interference.py --pairs 8 --slice-ms 2 --period-ms 10
+    python ops/benchmarks/interference.py --pairs 8 --slice-ms 2 --period-ms 10 --touch-mib 32
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> None:
                         help="size of the buffer the co-runner writes to (0: it spins in place)")
     parser.add_argument("--mode", default="all", help="standalone admission: all or staggered")
     args = parser.parse_args()
+    if args.touch_mib < 0:
+        parser.error("--touch-mib must be 0 or more")
     # Standard output is for the JSON; the engine logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 

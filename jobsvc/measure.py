@@ -277,11 +277,9 @@ def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
 def _unaccounted_ms_per_job(pairs: Sequence[Pair], arm: str) -> float | None:
     """An arm's unaccounted CPU in milliseconds per job over all pairs; None where a pair
     lacks it."""
-    results = [getattr(pair, arm) for pair in pairs]
-    seconds = [result.unaccounted_cpu_seconds for result in results]
-    if any(value is None for value in seconds):
+    if any(getattr(pair, arm).unaccounted_cpu_seconds is None for pair in pairs):
         return None
-    return sum(seconds) / sum(result.jobs for result in results) * 1000
+    return _per_job(pairs, arm, "unaccounted_cpu_seconds") * 1000
 
 
 def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:

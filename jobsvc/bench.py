@@ -32,6 +32,7 @@ from jobsvc.measure import (
     Pair,
     ideal_hit_rate,
     outside_engine_ms_per_job_by_role,
+    parity_checks,
     percentile,
     reading_at,
     summarize_pairs,
@@ -643,8 +644,9 @@ def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, 
         **({} if options.standalone_twice else _service_figures(totals)),
         **({"all_at_once": _service_figures(bench.all_at_once_totals)}
            if options.compare_admission else {}),
-        "pairs": [_pair_figures(pair) for pair in pairs],
     }
+    result["parity_checks"] = parity_checks(result)
+    result["pairs"] = [_pair_figures(pair) for pair in pairs]
     if options.json_path:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -7,6 +7,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -210,19 +211,56 @@ class Pair:
                 / (self.service.seconds - self.service.head_seconds))
 
 
-def summarize_pairs(pairs: Sequence[Pair]
-                    ) -> dict[str, float | list[float] | dict[str, float]]:
-    ratios = [pair.ratio for pair in pairs]
-    service_cpu = _per_job(pairs, "service", "cpu_seconds")
-    standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")
-    service_outside = _per_job(pairs, "service", "outside_engine_cpu_seconds")
-    standalone_outside = _per_job(pairs, "standalone", "outside_engine_cpu_seconds")
+def ratio_summary(ratios: Sequence[float]) -> dict[str, Any]:
+    """Where a set of pair ratios lies: their median with its bootstrap interval, how many
+    pairs the service was behind in, and the extremes. The same for one run's pairs and for
+    the pairs of several runs pooled."""
     return {
         "median_ratio": median(ratios),
         "median_ratio_interval_95": list(median_interval(ratios)),
         "pairs_behind": sum(ratio < 1.0 for ratio in ratios),
         "min_ratio": min(ratios),
         "max_ratio": max(ratios),
+    }
+
+
+# What a run must show to hold parity: the median pair at 99 % of standalone or better, no
+# pair below 95 %, at most 1 % more CPU per job, what travels to Redis on a reused-document
+# burst at least 16 times smaller than raw, and no collection longer than 4 ms while a worker
+# has batches in flight.
+PARITY_MEDIAN_RATIO = 0.99
+PARITY_MIN_RATIO = 0.95
+PARITY_CPU_RATIO = 1.01
+PARITY_COMPRESSION = 16.0
+PARITY_GC_PAUSE_MS = 4.0
+
+
+def parity_checks(report: Mapping[str, Any]) -> dict[str, bool | None]:
+    """Which of the parity bars a bench report clears, by the figure each reads. The
+    compression bar holds only for the `reuse` workload (None elsewhere), and a figure a run
+    leaves out (an A/A run has no service, a run with no worker reading no pauses) is None."""
+    compression = None
+    if report.get("workload") == "reuse" and report.get("bytes_enqueued"):
+        compression = report["bytes_raw"] / report["bytes_enqueued"] >= PARITY_COMPRESSION
+    pauses = report.get("gc_pause_max_ms")
+    return {
+        "median_ratio": report["median_ratio"] >= PARITY_MEDIAN_RATIO,
+        "min_ratio": report["min_ratio"] >= PARITY_MIN_RATIO,
+        "cpu_ratio": report["cpu_ratio"] <= PARITY_CPU_RATIO,
+        "bytes_enqueued": compression,
+        "gc_pause_max_ms": (all(pause <= PARITY_GC_PAUSE_MS for pause in pauses.values())
+                            if pauses else None),
+    }
+
+
+def summarize_pairs(pairs: Sequence[Pair]
+                    ) -> dict[str, float | list[float] | dict[str, float]]:
+    service_cpu = _per_job(pairs, "service", "cpu_seconds")
+    standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")
+    service_outside = _per_job(pairs, "service", "outside_engine_cpu_seconds")
+    standalone_outside = _per_job(pairs, "standalone", "outside_engine_cpu_seconds")
+    return {
+        **ratio_summary([pair.ratio for pair in pairs]),
         "standalone_cpu_seconds_per_job": standalone_cpu,
         "service_cpu_seconds_per_job": service_cpu,
         "cpu_ratio": service_cpu / standalone_cpu,

@@ -31,7 +31,9 @@ from jobsvc.measure import (
     median,
     median_interval,
     outside_engine_ms_per_job_by_role,
+    parity_checks,
     percentile,
+    ratio_summary,
     reading_at,
     schedstat_wait_ns,
     steal_seconds,
@@ -96,6 +98,48 @@ def test_pair_summary_gives_median_worst_ratio_and_cpu_ratio() -> None:
     assert summary["cpu_ratio"] == pytest.approx(60.6 / 60.0)
     assert summary["added_cpu_share"] == 0.0
     assert pairs[0].service.tokens_per_second == pytest.approx(1600 / 10.1)
+
+
+def test_pooled_ratios_are_summarised_as_one_run_s_pairs_are() -> None:
+    ratios = [0.97, 1.02, 0.99, 1.00, 0.95]
+    summary = ratio_summary(ratios)
+    assert summary["median_ratio"] == 0.99
+    assert summary["pairs_behind"] == 3  # 1.00 is not behind
+    assert (summary["min_ratio"], summary["max_ratio"]) == (0.95, 1.02)
+    assert summary["median_ratio_interval_95"] == list(median_interval(ratios))
+
+
+def _parity_report(**figures: object) -> dict[str, object]:
+    report: dict[str, object] = {
+        "workload": "reuse", "median_ratio": 0.995, "min_ratio": 0.96, "cpu_ratio": 1.004,
+        "bytes_raw": 1_600_000, "bytes_enqueued": 100_000,
+        "gc_pause_max_ms": {"shard0@a": 0.0, "shard1@a": 3.9}}
+    report.update(figures)
+    return report
+
+
+def test_parity_checks_pass_a_report_that_clears_every_bar() -> None:
+    assert parity_checks(_parity_report()) == {"median_ratio": True, "min_ratio": True,
+                                        "cpu_ratio": True, "bytes_enqueued": True,
+                                        "gc_pause_max_ms": True}
+
+
+@pytest.mark.parametrize(("figure", "value"), [
+    ("median_ratio", 0.989), ("min_ratio", 0.949), ("cpu_ratio", 1.011),
+    ("bytes_enqueued", 100_001), ("gc_pause_max_ms", {"shard0@a": 0.0, "shard1@a": 4.1})])
+def test_parity_checks_fail_each_bar_just_past_it(figure: str, value: object) -> None:
+    checks = parity_checks(_parity_report(**{figure: value}))
+    assert checks[figure] is False
+    assert all(passed for name, passed in checks.items() if name != figure)
+
+
+def test_parity_checks_leave_out_what_a_run_cannot_show() -> None:
+    unique = parity_checks(_parity_report(workload="unique"))
+    assert unique["bytes_enqueued"] is None and unique["median_ratio"] is True
+    twice = {key: value for key, value in _parity_report().items()
+             if key not in ("bytes_enqueued", "gc_pause_max_ms")}
+    checks = parity_checks(twice)
+    assert checks["bytes_enqueued"] is None and checks["gc_pause_max_ms"] is None
 
 
 def test_added_cpu_share_compares_the_cpu_each_arm_spends_outside_the_engine() -> None:
@@ -266,6 +310,8 @@ def test_an_a_a_report_gives_the_ratios_and_leaves_out_what_only_the_service_has
     for service_only in ("hit_rate", "bytes_enqueued", "gc_pause_max_ms",
                          "queue_to_admission_ms", "shard_jobs"):
         assert service_only not in report
+    assert report["parity_checks"]["gc_pause_max_ms"] is None
+    assert report["parity_checks"]["bytes_enqueued"] is None
 
 
 def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
@@ -281,6 +327,10 @@ def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
     assert report["standalone_admission"] == "all"
     assert report["admission_chunk"] == 32
     assert "all_at_once" not in report
+    # Pairs at 0.8 and 1.25, the same CPU in both arms, 10x smaller in Redis, no pauses read.
+    assert report["parity_checks"] == {"median_ratio": True, "min_ratio": False,
+                                       "cpu_ratio": True, "bytes_enqueued": False,
+                                       "gc_pause_max_ms": None}
 
 
 def test_an_admission_a_b_report_gives_both_services_figures_and_no_standalone_ones() -> None:

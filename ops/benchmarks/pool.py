@@ -5,7 +5,7 @@ several runs of the same row (workload, shard count and arms) pooled place it cl
 JSON: each run's figures and `parity_checks` (worked out again for reports written before the
 bench added them), each row's pooled pairs, and all pairs pooled per kind of run.
 
-    python ops/benchmarks/pool.py ops/benchmarks/parity-xeon-amx-whole-claim/*.json
+    python ops/benchmarks/pool.py ops/benchmarks/parity-xeon-amx-quiet/*.json
 """
 
 from __future__ import annotations

@@ -120,8 +120,8 @@ def _parity_report(**figures: object) -> dict[str, object]:
 
 def test_parity_checks_pass_a_report_that_clears_every_bar() -> None:
     assert parity_checks(_parity_report()) == {"median_ratio": True, "min_ratio": True,
-                                        "cpu_ratio": True, "bytes_enqueued": True,
-                                        "gc_pause_max_ms": True}
+                                               "cpu_ratio": True, "bytes_enqueued": True,
+                                               "gc_pause_max_ms": True}
 
 
 @pytest.mark.parametrize(("figure", "value"), [

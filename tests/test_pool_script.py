@@ -58,3 +58,12 @@ def test_a_file_that_is_no_bench_report_is_refused_by_name(tmp_path: Path) -> No
                             "bad.json": {"workload": "unique"}})
     assert done.returncode == 2
     assert "bad.json is not a jobsvc bench report" in done.stderr
+
+
+def test_other_json_with_pairs_is_refused_rather_than_half_read(tmp_path: Path) -> None:
+    # The interference script's reports have pairs too, but no workload or shards.
+    done = _pool(tmp_path, {"interference.json": {"pairs": [{"amplification": 1.1}],
+                                                  "median_amplification": 1.1}})
+    assert done.returncode == 2
+    assert "interference.json is not a jobsvc bench report" in done.stderr
+    assert "Traceback" not in done.stderr

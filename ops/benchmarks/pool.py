@@ -19,6 +19,9 @@ from typing import Any
 
 from jobsvc.measure import parity_checks, ratio_summary
 
+# What pooling reads from a report; other JSON with pairs (the interference script's) lacks it.
+REPORT_KEYS = ("workload", "shards", "median_ratio", "min_ratio", "cpu_ratio", "pairs")
+
 
 def row_of(report: dict[str, Any]) -> tuple[str, int, str]:
     """The row a run belongs to: its workload (a JSONL file by its name), shards and arms."""
@@ -60,8 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             parser.error(f"cannot read {path}: {error}")
-        if not isinstance(report, dict) or not report.get("pairs"):
-            parser.error(f"{path} is not a jobsvc bench report with pairs")
+        if (not isinstance(report, dict) or any(key not in report for key in REPORT_KEYS)
+                or not report["pairs"]):
+            parser.error(f"{path} is not a jobsvc bench report with pairs (it needs "
+                         f"{', '.join(REPORT_KEYS)})")
         reports[str(path)] = report
     json.dump(pool(reports), sys.stdout, indent=2)
     print()

@@ -60,11 +60,13 @@ def _check_flag(name: str, value: Any) -> None:
         raise InvalidJob(f"{name} must be true or false, got {value!r}")
 
 
-# Sampling keys a job may set, each with its check. Values pass to vLLM's SamplingParams as is.
+# Sampling keys a job may set, each with its check. Values pass to vLLM's SamplingParams as is,
+# so no range may be wider than the one SamplingParams accepts (temperature: [0, 2]): a job
+# accepted here and refused there would fail in the worker instead of at submit.
 _SAMPLING_CHECKS = {
     "max_tokens": lambda n, v: _in_range(n, v, 1, 1 << 20, integer=True),
     "min_tokens": lambda n, v: _in_range(n, v, 0, 1 << 20, integer=True),
-    "temperature": lambda n, v: _in_range(n, v, 0.0, 10.0),
+    "temperature": lambda n, v: _in_range(n, v, 0.0, 2.0),
     "top_p": lambda n, v: _in_range(n, v, 1e-6, 1.0),
     "top_k": lambda n, v: _in_range(n, v, -1, 1 << 20, integer=True),
     "min_p": lambda n, v: _in_range(n, v, 0.0, 1.0),

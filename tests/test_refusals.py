@@ -41,6 +41,7 @@ BAD_JOBS: list[tuple[str, dict[str, Any]]] = [
     ("temperature", {"temperature": -0.1}),
     ("temperature", {"temperature": float("nan")}),
     ("temperature", {"temperature": "hot"}),
+    ("temperature", {"temperature": 2.5}),
     ("top_p", {"top_p": 1.5}),
     ("top_p", {"top_p": 0}),
     ("unknown sampling key", {"beam_width": 4}),

@@ -52,6 +52,7 @@ from jobsvc.routers import Router, make_router, reset_routing_state
 from jobsvc.routing import document_keys
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
+from jobsvc.store import JobRecord
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
@@ -376,6 +377,7 @@ class _Bench:
         self.ask_workers("reset_prefix_cache", timeout=10)
         reset_routing_state(self.redis, self.settings.shards)
         self.ask_workers("take_gc_pauses", timeout=5)
+        self.ask_workers("take_first_admission", timeout=5)
         steps_before = self.engine_step_totals(on_workers=True)
         time.sleep(_SETTLE_SECONDS)
         # The arm ends when the producer hears of the commit that finished its last job: the
@@ -452,14 +454,20 @@ class _Bench:
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
-        first_claim = min((_timestamp(r.started_at) for r in records if r.started_at),
-                          default=finished)
         last_engine_finish = max(_timestamp(r.finished_at) for r in records)
         return ArmResult(len(ids), finished - started,
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
-                         head_seconds=first_claim - started,
+                         head_seconds=self.first_admission(records, finished) - started,
                          tail_seconds=max(0.0, finished - last_engine_finish),
                          runner_wait_seconds=runner_wait, machine_cpu_seconds=machine, **steps)
+
+    def first_admission(self, records: Sequence[JobRecord], finished: float) -> float:
+        """When the burst's first batch went to an engine, after its claim (as the standalone
+        arm's head ends at its first request); the first claim's start where no worker says."""
+        admitted = [reading["admitted"] for reply in self.ask_workers("take_first_admission", 5)
+                    for reading in reply.values() if reading.get("admitted") is not None]
+        return min(admitted, default=min(
+            (_timestamp(r.started_at) for r in records if r.started_at), default=finished))
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:

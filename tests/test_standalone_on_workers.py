@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
@@ -58,3 +59,20 @@ def test_an_unknown_admission_mode_comes_back_as_an_error(
         settings: Settings, worker: LocalWorkers) -> None:
     reading = _burst(settings, [["a document", "a question", {"max_tokens": 1}]], "sideways")
     assert "admission mode" in reading["error"]
+
+
+def test_the_worker_says_when_its_first_batch_went_to_the_engine(
+        settings: Settings, client: Client) -> None:
+    ask_worker(settings, "take_first_admission", {})
+    rng = random.Random(33)
+    text = document(rng, 300)
+    ids = client.submit_many({"document": text, "question": question(rng), "max_tokens": 2}
+                             for _ in range(3))
+    records = client.wait(ids, timeout=120)
+    admitted = ask_worker(settings, "take_first_admission", {})["admitted"]
+    # The bench's service head ends here: after the claim stamped the jobs started, before
+    # any of them finished in the engine.
+    assert min(r.started_at.timestamp() for r in records) <= admitted
+    assert admitted <= min(r.finished_at.timestamp() for r in records)
+    # Taken once: until another batch runs there is nothing to report.
+    assert ask_worker(settings, "take_first_admission", {})["admitted"] is None

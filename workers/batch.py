@@ -35,6 +35,8 @@ class BatchRunner:
         self._engine = engine
         self._recorder = recorder
         self._running: set[str] = set()
+        # When the earliest batch since `take_first_admission` went to the engine.
+        self._first_admission: float | None = None
         self._lock = threading.Lock()
 
     def run(self, payload: Any) -> dict[str, int]:
@@ -63,6 +65,8 @@ class BatchRunner:
 
         with self._lock:
             self._running.update(prefill)
+            if requests and self._first_admission is None:
+                self._first_admission = started
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
@@ -114,6 +118,13 @@ class BatchRunner:
                      in zip(texts, self._prompts.documents(texts), strict=True)}
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
                 for job_id, doc in stored.items()}
+
+    def take_first_admission(self) -> float | None:
+        """When (`time.time()`) the earliest batch since the last call went to the engine,
+        after its claim; None if none did. A job's `started_at` is its claim's start."""
+        with self._lock:
+            first, self._first_admission = self._first_admission, None
+        return first
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

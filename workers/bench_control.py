@@ -1,8 +1,9 @@
 """The benchmark's remote-control commands (`app.control.broadcast(name, reply=True)`): reset a
-worker's prefix cache, read its GC pauses and its engine's step counters, change its admission
-pacing, and drive its engine directly with the standalone arm's burst. They bypass the queue
-and the database, so a worker registers them only when told to (`JOBSVC_BENCH_CONTROL`, which
-`jobsvc bench` sets on the workers it starts)."""
+worker's prefix cache, read its GC pauses, its engine's step counters and when its first batch
+went to the engine, change its admission pacing, and drive its engine directly with the
+standalone arm's burst. They bypass the queue and the database, so a worker registers them
+only when told to (`JOBSVC_BENCH_CONTROL`, which `jobsvc bench` sets on the workers it
+starts)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "engine_steps", "set_admission_pacing",
-            "run_standalone_burst")
+COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "engine_steps", "take_first_admission",
+            "set_admission_pacing", "run_standalone_burst")
 # vLLM observes every scheduler step's token count in this histogram, once per engine.
 STEP_HISTOGRAM = "vllm:iteration_tokens_total"
 
@@ -58,6 +59,13 @@ def register(runtime: WorkerRuntime) -> None:
     @control_command()
     def engine_steps(_state: Any) -> dict[str, float]:
         return engine_step_totals(prometheus_client.REGISTRY)
+
+    @control_command()
+    def take_first_admission(_state: Any) -> dict[str, float | None]:
+        """When this worker's earliest batch since the last asking went to its engine: the
+        end of the service arm's head, as the standalone arm's ends at its first request."""
+        runner = runtime.runner
+        return {"admitted": runner.take_first_admission() if runner is not None else None}
 
     @control_command(args=[("chunk", int), ("pause_ms", float)])
     def set_admission_pacing(_state: Any, chunk: int, pause_ms: float) -> dict[str, Any]:

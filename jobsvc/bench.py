@@ -52,7 +52,6 @@ from jobsvc.routers import Router, make_router, reset_routing_state
 from jobsvc.routing import document_keys
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
-from jobsvc.store import JobRecord
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
@@ -457,17 +456,18 @@ class _Bench:
         last_engine_finish = max(_timestamp(r.finished_at) for r in records)
         return ArmResult(len(ids), finished - started,
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
-                         head_seconds=self.first_admission(records, finished) - started,
+                         head_seconds=self.first_admission() - started,
                          tail_seconds=max(0.0, finished - last_engine_finish),
                          runner_wait_seconds=runner_wait, machine_cpu_seconds=machine, **steps)
 
-    def first_admission(self, records: Sequence[JobRecord], finished: float) -> float:
+    def first_admission(self) -> float:
         """When the burst's first batch went to an engine, after its claim (as the standalone
-        arm's head ends at its first request); the first claim's start where no worker says."""
+        arm's head ends at its first request)."""
         admitted = [reading["admitted"] for reply in self.ask_workers("take_first_admission", 5)
                     for reading in reply.values() if reading.get("admitted") is not None]
-        return min(admitted, default=min(
-            (_timestamp(r.started_at) for r in records if r.started_at), default=finished))
+        if not admitted:
+            raise RuntimeError("no worker says when the burst's first batch reached its engine")
+        return min(admitted)
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
                        mode: str, record: bool = True) -> ArmResult:

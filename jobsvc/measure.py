@@ -253,6 +253,28 @@ def parity_checks(report: Mapping[str, Any]) -> dict[str, bool | None]:
     }
 
 
+def chance_to_clear(ratios: Sequence[float], pairs_per_run: int,
+                    resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, float]:
+    """How often a run of `pairs_per_run` pairs, drawn from these pair ratios, would clear
+    the median bar, the min bar and both. Drawn from an A/A run's pairs (standalone against
+    itself) it is the most any service, however cheap, could expect of that host."""
+    if not ratios:
+        raise ValueError("the chance to clear the bars needs at least one pair")
+    if pairs_per_run < 1:
+        raise ValueError(f"a run has at least one pair, got {pairs_per_run}")
+    draw = random.Random(BOOTSTRAP_SEED).choices
+    median_cleared = min_cleared = both_cleared = 0
+    for _ in range(resamples):
+        run = draw(ratios, k=pairs_per_run)
+        median_ok = median(run) >= PARITY_MEDIAN_RATIO
+        min_ok = min(run) >= PARITY_MIN_RATIO
+        median_cleared += median_ok
+        min_cleared += min_ok
+        both_cleared += median_ok and min_ok
+    return {"median_ratio": median_cleared / resamples, "min_ratio": min_cleared / resamples,
+            "both": both_cleared / resamples}
+
+
 def summarize_pairs(pairs: Sequence[Pair]
                     ) -> dict[str, float | list[float] | dict[str, float]]:
     service_cpu = _per_job(pairs, "service", "cpu_seconds")

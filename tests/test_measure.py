@@ -26,6 +26,7 @@ from jobsvc.measure import (
     ArmResult,
     Pair,
     busy_seconds,
+    chance_to_clear,
     cpu_seconds_by_role,
     ideal_hit_rate,
     median,
@@ -107,6 +108,24 @@ def test_pooled_ratios_are_summarised_as_one_run_s_pairs_are() -> None:
     assert summary["pairs_behind"] == 3  # 1.00 is not behind
     assert (summary["min_ratio"], summary["max_ratio"]) == (0.95, 1.02)
     assert summary["median_ratio_interval_95"] == list(median_interval(ratios))
+
+
+def test_chance_to_clear_draws_runs_from_the_pairs_a_host_gave() -> None:
+    assert chance_to_clear([0.99, 1.0, 1.02], pairs_per_run=7) == {
+        "median_ratio": 1.0, "min_ratio": 1.0, "both": 1.0}
+    # One pair in ten below 0.95: seven draws all miss it 0.9 ** 7 of the time.
+    chance = chance_to_clear([0.93] + [1.0] * 9, pairs_per_run=7)
+    assert chance["min_ratio"] == pytest.approx(0.9 ** 7, abs=0.03)
+    assert chance["median_ratio"] > 0.99  # only when four of seven draws are the low pair
+    assert chance["both"] == chance["min_ratio"]  # every run that misses the median misses min
+    # Pairs centred below the median bar rarely give a run whose median clears it.
+    behind = chance_to_clear([0.96, 0.97, 0.98, 0.985, 1.0], pairs_per_run=10)
+    assert behind["median_ratio"] < 0.1 and behind["min_ratio"] == 1.0
+    assert chance_to_clear([0.93] + [1.0] * 9, 7) == chance  # seeded: a report reproduces
+    with pytest.raises(ValueError):
+        chance_to_clear([], pairs_per_run=7)
+    with pytest.raises(ValueError):
+        chance_to_clear([1.0], pairs_per_run=0)
 
 
 def _parity_report(**figures: object) -> dict[str, object]:

@@ -21,13 +21,14 @@ def _report(workload: str, shards: int, ratios: list[float], **figures: Any) -> 
     return report
 
 
-def _pool(tmp_path: Path, reports: dict[str, dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+def _pool(tmp_path: Path, reports: dict[str, dict[str, Any]], *options: str
+          ) -> subprocess.CompletedProcess[str]:
     paths = []
     for name, report in reports.items():
         path = tmp_path / name
         path.write_text(json.dumps(report))
         paths.append(str(path))
-    return subprocess.run([sys.executable, str(SCRIPT), *paths], capture_output=True,
+    return subprocess.run([sys.executable, str(SCRIPT), *options, *paths], capture_output=True,
                           text=True, timeout=60, cwd=SCRIPT.parents[2])
 
 
@@ -67,3 +68,29 @@ def test_other_json_with_pairs_is_refused_rather_than_half_read(tmp_path: Path) 
     assert done.returncode == 2
     assert "interference.json is not a jobsvc bench report" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_pooled_a_a_pairs_say_how_often_a_run_of_them_would_clear_the_bars(
+        tmp_path: Path) -> None:
+    quiet = [0.99, 1.0, 1.01] * 4
+    noisy = [0.90, 1.0, 1.02, 0.98, 1.05]
+    done = _pool(tmp_path, {
+        "quiet.json": _report("reuse", 1, quiet, arms="standalone/standalone"),
+        "noisy.json": _report("unique", 1, noisy, arms="standalone/standalone"),
+    }, "--pairs-per-run", "10")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["pairs_per_run"] == 10
+    chances = {row["workload"]: row["chance_a_run_clears"] for row in result["rows"]}
+    assert chances["reuse"] == {"median_ratio": 1.0, "min_ratio": 1.0, "both": 1.0}
+    # One pair in five below 0.95: ten draws all miss it about 0.8 ** 10 of the time.
+    assert abs(chances["unique"]["min_ratio"] - 0.8 ** 10) < 0.03
+    [pooled] = result["pooled"]
+    assert pooled["pairs"] == 17
+    assert 0.8 ** 10 < pooled["chance_a_run_clears"]["min_ratio"] < 1.0
+
+
+def test_a_run_of_no_pairs_is_refused(tmp_path: Path) -> None:
+    done = _pool(tmp_path, {"a.json": _report("reuse", 1, [1.0])}, "--pairs-per-run", "0")
+    assert done.returncode == 2
+    assert "--pairs-per-run must be at least 1" in done.stderr

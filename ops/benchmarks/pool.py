@@ -3,7 +3,9 @@
 One run of ten pairs places its median within a few percent on a noisy host; the pairs of
 several runs of the same row (workload, shard count and arms) pooled place it closer. Prints
 JSON: each run's figures and `parity_checks` (worked out again for reports written before the
-bench added them), each row's pooled pairs, and all pairs pooled per kind of run.
+bench added them), each row's pooled pairs, and all pairs pooled per kind of run, each with
+how often a run of `--pairs-per-run` pairs drawn from them would clear the median and min
+bars (drawn from A/A pairs: the most any service could expect of the host).
 
     python ops/benchmarks/pool.py ops/benchmarks/parity-xeon-amx-quiet/*.json
 """
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jobsvc.measure import parity_checks, ratio_summary
+from jobsvc.measure import chance_to_clear, parity_checks, ratio_summary
 
 # What pooling reads from a report; other JSON with pairs (the interference script's) lacks it.
 REPORT_KEYS = ("workload", "shards", "median_ratio", "min_ratio", "cpu_ratio", "pairs")
@@ -29,7 +31,19 @@ def row_of(report: dict[str, Any]) -> tuple[str, int, str]:
     return workload, report["shards"], report.get("arms", "service/standalone")
 
 
-def pool(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+# The fewest pairs a parity run may have: the run most likely to keep every pair above the
+# min bar.
+PAIRS_PER_RUN = 7
+
+
+def pooled_summary(ratios: list[float], pairs_per_run: int) -> dict[str, Any]:
+    """Where pooled pairs lie, and how often runs drawn from them would clear the bars."""
+    return {"pairs": len(ratios), **ratio_summary(ratios),
+            "chance_a_run_clears": chance_to_clear(ratios, pairs_per_run)}
+
+
+def pool(reports: dict[str, dict[str, Any]],
+         pairs_per_run: int = PAIRS_PER_RUN) -> dict[str, Any]:
     """Each run's figures and checks, and the ratios pooled by row and by kind of run."""
     runs = []
     rows: dict[tuple[str, int, str], list[float]] = {}
@@ -45,10 +59,11 @@ def pool(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
                      "parity_checks": parity_checks(report)})
     return {
         "runs": runs,
-        "rows": [{"workload": workload, "shards": shards, "arms": arms, "pairs": len(ratios),
-                  **ratio_summary(ratios)}
+        "pairs_per_run": pairs_per_run,
+        "rows": [{"workload": workload, "shards": shards, "arms": arms,
+                  **pooled_summary(ratios, pairs_per_run)}
                  for (workload, shards, arms), ratios in sorted(rows.items())],
-        "pooled": [{"arms": arms, "pairs": len(ratios), **ratio_summary(ratios)}
+        "pooled": [{"arms": arms, **pooled_summary(ratios, pairs_per_run)}
                    for arms, ratios in sorted(kinds.items())],
     }
 
@@ -56,7 +71,12 @@ def pool(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="JSON written by jobsvc bench")
+    parser.add_argument("--pairs-per-run", type=int, default=PAIRS_PER_RUN,
+                        help="pairs in the runs whose chance to clear the bars is drawn "
+                             f"(default {PAIRS_PER_RUN}, the fewest a parity run may have)")
     args = parser.parse_args(argv)
+    if args.pairs_per_run < 1:
+        parser.error("--pairs-per-run must be at least 1")
     reports = {}
     for path in args.reports:
         try:
@@ -68,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{path} is not a jobsvc bench report with pairs (it needs "
                          f"{', '.join(REPORT_KEYS)})")
         reports[str(path)] = report
-    json.dump(pool(reports), sys.stdout, indent=2)
+    json.dump(pool(reports, args.pairs_per_run), sys.stdout, indent=2)
     print()
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,14 @@ BOOTSTRAP_RESAMPLES = 4000
 BOOTSTRAP_SEED = 5
 
 
+def _seeded_draws(values: Sequence[float], size: int, resamples: int
+                  ) -> Iterator[list[float]]:
+    """`resamples` samples of `size` values drawn with replacement, the same on every call."""
+    draw = random.Random(BOOTSTRAP_SEED).choices
+    for _ in range(resamples):
+        yield draw(values, k=size)
+
+
 def median_interval(values: Sequence[float], level: float = 0.95,
                     resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
     """A percentile-bootstrap interval for the median of `values`: how far the median of
@@ -41,8 +49,7 @@ def median_interval(values: Sequence[float], level: float = 0.95,
         raise ValueError("an interval needs at least one value")
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    draw = random.Random(BOOTSTRAP_SEED).choices
-    medians = [median(draw(values, k=len(values))) for _ in range(resamples)]
+    medians = [median(sample) for sample in _seeded_draws(values, len(values), resamples)]
     tail = (1.0 - level) / 2
     return percentile(medians, tail), percentile(medians, 1.0 - tail)
 
@@ -262,10 +269,8 @@ def chance_to_clear(ratios: Sequence[float], pairs_per_run: int,
         raise ValueError("the chance to clear the bars needs at least one pair")
     if pairs_per_run < 1:
         raise ValueError(f"a run has at least one pair, got {pairs_per_run}")
-    draw = random.Random(BOOTSTRAP_SEED).choices
     median_cleared = min_cleared = both_cleared = 0
-    for _ in range(resamples):
-        run = draw(ratios, k=pairs_per_run)
+    for run in _seeded_draws(ratios, pairs_per_run, resamples):
         median_ok = median(run) >= PARITY_MEDIAN_RATIO
         min_ok = min(run) >= PARITY_MIN_RATIO
         median_cleared += median_ok

@@ -116,7 +116,7 @@ def test_chance_to_clear_draws_runs_from_the_pairs_a_host_gave() -> None:
     # One pair in ten below 0.95: seven draws all miss it 0.9 ** 7 of the time.
     chance = chance_to_clear([0.93] + [1.0] * 9, pairs_per_run=7)
     assert chance["min_ratio"] == pytest.approx(0.9 ** 7, abs=0.03)
-    assert chance["median_ratio"] > 0.99  # only when four of seven draws are the low pair
+    assert chance["median_ratio"] > 0.99  # a median misses only if 4+ of 7 draws are low
     assert chance["both"] == chance["min_ratio"]  # every run that misses the median misses min
     # Pairs centred below the median bar rarely give a run whose median clears it.
     behind = chance_to_clear([0.96, 0.97, 0.98, 0.985, 1.0], pairs_per_run=10)

@@ -73,10 +73,10 @@ class FinishSignal:
         if self._engine.dialect.name != "postgresql" or self._listening is not None:
             return
         # A connection of its own, outside the pool: it stays in LISTEN for the whole wait.
-        conninfo = self._engine.url.set(drivername="postgresql").render_as_string(
-            hide_password=False)
+        # Its parameters are the pool's (options included), as the dialect derives them.
+        _args, parameters = self._engine.dialect.create_connect_args(self._engine.url)
         try:
-            listening = psycopg.connect(conninfo, autocommit=True)
+            listening = psycopg.connect(**parameters, autocommit=True)
             listening.execute(f"LISTEN {FINISHED_CHANNEL}")
         except (psycopg.Error, OSError) as error:
             log.warning("cannot listen for finished jobs (%s); checking once a wait instead",

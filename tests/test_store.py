@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import event, func, select
+from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import IntegrityError
 
 from jobsvc import Client
@@ -73,6 +73,29 @@ def test_statements_on_listed_jobs_look_them_up_by_key_not_by_status(
              *_plans(store, lambda: store.cancel(job_ids[-1]))]
     assert len(plans) >= 4
     assert all("ix_jobs_status" not in plan for plan in plans), plans
+
+
+def test_statements_repeated_on_one_connection_are_planned_for_the_table_as_it_is(
+        settings: Settings) -> None:
+    # psycopg prepares a statement once it has been sent five times, and after five more
+    # PostgreSQL may keep one generic plan for it, made for the table as it was then: a
+    # worker's outcome writes kept scanning the whole jobs table they had found nearly empty.
+    store = Store(settings.resolved_database_url)
+    try:
+        for _ in range(16):
+            job_id = record_queued_job(store)
+            store.claim_batch([job_id], "w", max_attempts=3)
+            store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
+            store.count_unfinished([job_id])
+        with store.engine.connect() as connection:
+            prepared = connection.execute(text(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            )).all()
+    finally:
+        store.dispose()
+    written = [row for row in prepared if "UPDATE jobs SET status" in row.statement]
+    assert written and written[0].custom_plans >= 10, prepared
+    assert all(row.generic_plans == 0 for row in prepared), prepared
 
 
 def test_a_second_outcome_for_a_finished_job_changes_nothing(

@@ -192,7 +192,7 @@ def _readable_text(key: str, text_zst: bytes) -> str | None:
 # long as it does: its outcome writes, planned while the jobs table was nearly empty, went on
 # scanning all of it, and the database's CPU for a 256-job burst's writes grew from 80 ms to
 # 360 ms over 40 bursts (32 writes each, loopback, AVX2 host). Planned at each execution they
-# stayed at 70-150 ms, planning included (about 0.3 ms for the outcome write).
+# stayed at 60-150 ms, planning included (about 0.3 ms for the outcome write).
 _POSTGRESQL_OPTIONS = "-c plan_cache_mode=force_custom_plan"
 
 

@@ -31,10 +31,12 @@ from jobsvc.measure import (
     ArmResult,
     Pair,
     ideal_hit_rate,
+    milliseconds,
     outside_engine_ms_per_job_by_role,
     parity_checks,
     percentile,
     reading_at,
+    shard_finish_spread_seconds,
     summarize_pairs,
 )
 from jobsvc.migrate import upgrade_to_head
@@ -366,6 +368,7 @@ class _Bench:
         return StandaloneRun(
             started=min(run.started for run in runs), admitted=min(run.admitted for run in runs),
             finished=max(run.finished for run in runs),
+            engines_finished=[moment for run in runs for moment in run.engines_finished],
             **{part: sum(getattr(run, part) for run in runs)
                for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
@@ -458,7 +461,10 @@ class _Bench:
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
                          head_seconds=self.first_admission() - started,
                          tail_seconds=max(0.0, finished - last_engine_finish),
-                         runner_wait_seconds=runner_wait, machine_cpu_seconds=machine, **steps)
+                         runner_wait_seconds=runner_wait, machine_cpu_seconds=machine,
+                         shard_finish_spread_seconds=shard_finish_spread_seconds(
+                             (r.shard, _timestamp(r.finished_at)) for r in records),
+                         **steps)
 
     def first_admission(self) -> float:
         """When the burst's first batch went to an engine, after its claim (as the standalone
@@ -501,7 +507,10 @@ class _Bench:
                 self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
                          head_seconds=run.head_seconds, runner_wait_seconds=runner_wait,
-                         machine_cpu_seconds=machine, **steps)
+                         machine_cpu_seconds=machine,
+                         shard_finish_spread_seconds=shard_finish_spread_seconds(
+                             enumerate(run.engines_finished)),
+                         **steps)
 
 
     def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
@@ -739,6 +748,9 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "service_engine_steps": pair.service.engine_steps,
         "standalone_engine_step_tokens": pair.standalone.engine_step_tokens,
         "service_engine_step_tokens": pair.service.engine_step_tokens,
+        "standalone_shard_finish_spread_ms": milliseconds(
+            pair.standalone.shard_finish_spread_seconds),
+        "service_shard_finish_spread_ms": milliseconds(pair.service.shard_finish_spread_seconds),
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +125,15 @@ def schedstat_wait_ns(schedstat: str) -> int:
     return int(fields[1])
 
 
+def shard_finish_spread_seconds(finishes: Iterable[tuple[int, float]]) -> float:
+    """From the first shard's last finish to the last shard's, given (shard, finish) of every
+    job or engine: while it lasts, the cores of the shards already done have nothing to run."""
+    last: dict[int, float] = {}
+    for shard, finished in finishes:
+        last[shard] = max(finished, last.get(shard, finished))
+    return max(last.values()) - min(last.values())
+
+
 def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
     """Seconds threads waited for a core between two readings of {thread ID: cumulative
     wait in ns}. A thread born in between counts from zero; one that ended is not counted."""
@@ -160,6 +169,8 @@ class ArmResult:
     # (`workers.bench_control.engine_step_totals`); None where they could not be read.
     engine_steps: float | None = None
     engine_step_tokens: float | None = None
+    # `shard_finish_spread_seconds` of the arm's burst; None where it could not be read.
+    shard_finish_spread_seconds: float | None = None
 
     @property
     def cpu_seconds(self) -> float:
@@ -321,12 +332,21 @@ def summarize_pairs(pairs: Sequence[Pair]
         # engines scheduled both arms' jobs alike, so that any difference in time is speed.
         "engine_steps": _arm_medians(pairs, "engine_steps"),
         "engine_step_tokens": _arm_medians(pairs, "engine_step_tokens"),
+        # How long before the burst's end its first shard had finished, at the median: with
+        # shards on cores of their own, time in which only the last shard's cores work.
+        "shard_finish_spread_ms": {
+            arm: milliseconds(seconds)
+            for arm, seconds in _arm_medians(pairs, "shard_finish_spread_seconds").items()},
         "service_tail_ms": {"p50": median([pair.service.tail_seconds * 1000 for pair in pairs]),
                             "max": max(pair.service.tail_seconds * 1000 for pair in pairs)},
         # Where each arm's CPU outside the engine went, in milliseconds per job.
         "standalone_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "standalone"),
         "service_outside_engine_cpu_ms_per_job_by_role": _by_role(pairs, "service"),
     }
+
+
+def milliseconds(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:

@@ -37,6 +37,7 @@ from jobsvc.measure import (
     ratio_summary,
     reading_at,
     schedstat_wait_ns,
+    shard_finish_spread_seconds,
     steal_seconds,
     summarize_pairs,
     wait_seconds,
@@ -241,6 +242,24 @@ def test_model_runner_waits_are_read_from_schedstat_and_summed_over_threads_per_
              for wait, extra in ((1.6, 0.4), (1.2, 0.9), (1.8, 0.3))]
     assert summarize_pairs(pairs)["runner_wait_ms"] == pytest.approx(
         {"standalone": 1600.0, "service": 2100.0})
+
+
+def test_shard_finish_spread_runs_from_the_first_shards_last_job_to_the_last_shards() -> None:
+    # Shard 0's last job ends at 14.0, shard 1's at 11.5: the spread is 2.5 s, whatever order
+    # the jobs come in.
+    jobs = [(0, 10.0), (1, 11.5), (0, 14.0), (1, 9.0), (0, 12.0)]
+    assert shard_finish_spread_seconds(jobs) == pytest.approx(2.5)
+    assert shard_finish_spread_seconds(reversed(jobs)) == pytest.approx(2.5)
+    assert shard_finish_spread_seconds([(0, 3.0), (0, 7.0)]) == 0.0
+    pairs = [Pair(replace(_arm(100, 10.0, 20.0), shard_finish_spread_seconds=spread),
+                  replace(_arm(100, 10.0, 20.0), shard_finish_spread_seconds=spread / 2), False)
+             for spread in (0.4, 1.2, 0.8)]
+    assert summarize_pairs(pairs)["shard_finish_spread_ms"] == pytest.approx(
+        {"standalone": 800.0, "service": 400.0})
+    # A pair that could not read it leaves that arm's median out rather than guessing.
+    pairs[0] = Pair(pairs[0].standalone, replace(pairs[0].service,
+                                                 shard_finish_spread_seconds=None), False)
+    assert summarize_pairs(pairs)["shard_finish_spread_ms"]["service"] is None
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:

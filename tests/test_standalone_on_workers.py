@@ -37,6 +37,9 @@ def test_a_burst_on_the_workers_engine_runs_every_job_and_reuses_the_document(
         # other three find its blocks.
         assert 0 < run["cached_tokens"] < run["prompt_tokens"]
         assert run["finished"] > run["started"]
+        # One engine: its last request returned between the burst's start and its end.
+        [engine_finished] = run["engines_finished"]
+        assert run["admitted"] < engine_finished <= run["finished"]
 
 
 def test_the_workers_step_counters_count_a_bursts_steps_and_computed_tokens(

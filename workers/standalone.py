@@ -63,6 +63,8 @@ class StandaloneRun:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+    # When each engine's last request returned.
+    engines_finished: Sequence[float]
 
     @property
     def seconds(self) -> float:
@@ -129,10 +131,12 @@ def run_burst(engines: Sequence[EngineAdapter], prompts: PromptBuilder,
                    _burst(engine, engine_prompts, pacing, tag))
                for index, (adapter, engine_prompts) in enumerate(
                    zip(engines, prompts_by_engine, strict=True))]
-    outputs = [output for future in futures for output in future.result()]
+    runs = [future.result() for future in futures]
     finished = time.time()
+    outputs = [output for engine_outputs, _ in runs for output in engine_outputs]
     return StandaloneRun(
         started=started, admitted=admitted, finished=finished,
+        engines_finished=[engine_finished for _, engine_finished in runs],
         output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
         prompt_tokens=sum(len(output.prompt_token_ids or ()) for output in outputs),
         cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
@@ -166,7 +170,8 @@ def _grouped(jobs: Sequence[Job]) -> list[Job]:
 
 
 async def _burst(engine: Any, prompts: Sequence[Prompt], pacing: Pacing, tag: str
-                 ) -> list[Any]:
+                 ) -> tuple[list[Any], float]:
+    """The final outputs of one engine's share of a burst, and when its last one returned."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -185,5 +190,6 @@ async def _burst(engine: Any, prompts: Sequence[Prompt], pacing: Pacing, tag: st
             final = output
         return final
 
-    return await gather_paced([one(index, *prompt) for index, prompt in enumerate(prompts)],
-                              pacing)
+    outputs = await gather_paced([one(index, *prompt) for index, prompt in enumerate(prompts)],
+                                 pacing)
+    return outputs, time.time()

@@ -41,8 +41,31 @@ def bind_device(settings: Settings, device: str | None) -> None:
 HEARTBEAT_SECONDS = 10
 
 
+def cpu_cores(device: str) -> set[int]:
+    """The cores a CPU device names, in vLLM's syntax: "0-1", "0,2", or one list per
+    tensor-parallel rank joined by "|"."""
+    cores: set[int] = set()
+    for part in device.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            cores.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"not a list of CPU cores: {device!r}") from None
+    return cores
+
+
+def keep_to_device(device: str | None) -> None:
+    """On CPU hosts, keep the whole shard on its cores: the worker's threads and vLLM's
+    scheduler process, which spin-waits on sched_yield while the model runs, as well as the
+    model's threads (which vLLM binds itself). Left free, they run on another shard's cores
+    and slow that engine, so that shards which share out a burst evenly still finish apart."""
+    if device and is_cpu_build():
+        os.sched_setaffinity(0, cpu_cores(device))
+
+
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     bind_device(settings, device)
+    keep_to_device(device)
     from workers.celery_app import create_worker_app, worker_name
 
     app = create_worker_app(settings, shard)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jobsvc.errors import ConfigurationError
 from workers.bootstrap import cpu_cores
 
 _REPORT_AFFINITIES = """
@@ -32,7 +33,7 @@ def test_cpu_devices_name_cores_as_vllm_reads_them() -> None:
     assert cpu_cores("1") == {1}
     assert cpu_cores("0,2-3") == {0, 2, 3}
     assert cpu_cores("0-1|2-3") == {0, 1, 2, 3}
-    with pytest.raises(ValueError, match="not a list of CPU cores"):
+    with pytest.raises(ConfigurationError, match="not a list of CPU cores"):
         cpu_cores("cuda:0")
 
 
@@ -44,3 +45,11 @@ def test_a_worker_bound_to_one_core_keeps_itself_and_the_processes_it_starts_the
     reported = subprocess.run([sys.executable, str(script), "1"], cwd=Path(__file__).parents[1],
                               capture_output=True, text=True, timeout=120, check=True)
     assert reported.stdout.split() == ["[1]", "[1]"]
+
+
+def test_a_device_naming_cores_the_machine_lacks_stops_the_worker_with_a_clear_error() -> None:
+    started = subprocess.run(
+        [sys.executable, "-m", "jobsvc", "worker", "--shard", "0", "--device", "4090-4091"],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
+    assert started.returncode != 0
+    assert "--device '4090-4091' names cores this machine does not offer" in started.stderr

@@ -8,6 +8,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from jobsvc.errors import ConfigurationError
 from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
 
@@ -50,7 +51,7 @@ def cpu_cores(device: str) -> set[int]:
         try:
             cores.update(range(int(first), int(last or first) + 1))
         except ValueError:
-            raise ValueError(f"not a list of CPU cores: {device!r}") from None
+            raise ConfigurationError(f"--device {device!r} is not a list of CPU cores") from None
     return cores
 
 
@@ -60,7 +61,12 @@ def keep_to_device(device: str | None) -> None:
     model's threads (which vLLM binds itself). Left free, they run on another shard's cores
     and slow that engine, so that shards which share out a burst evenly still finish apart."""
     if device and is_cpu_build():
-        os.sched_setaffinity(0, cpu_cores(device))
+        try:
+            os.sched_setaffinity(0, cpu_cores(device))
+        except OSError:
+            raise ConfigurationError(
+                f"--device {device!r} names cores this machine does not offer "
+                f"(it has {sorted(os.sched_getaffinity(0))})") from None
 
 
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:

@@ -35,6 +35,9 @@ def test_cpu_devices_name_cores_as_vllm_reads_them() -> None:
     assert cpu_cores("0-1|2-3") == {0, 1, 2, 3}
     with pytest.raises(ConfigurationError, match="not a list of CPU cores"):
         cpu_cores("cuda:0")
+    # A range written backwards names no core, rather than quietly dropping its part.
+    with pytest.raises(ConfigurationError, match="not a list of CPU cores"):
+        cpu_cores("3-1|0")
 
 
 def test_a_worker_bound_to_one_core_keeps_itself_and_the_processes_it_starts_there(

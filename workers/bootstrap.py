@@ -49,9 +49,12 @@ def cpu_cores(device: str) -> set[int]:
     for part in device.replace("|", ",").split(","):
         first, _, last = part.strip().partition("-")
         try:
-            cores.update(range(int(first), int(last or first) + 1))
+            span = range(int(first), int(last or first) + 1)
         except ValueError:
-            raise ConfigurationError(f"--device {device!r} is not a list of CPU cores") from None
+            span = range(0)
+        if not span:
+            raise ConfigurationError(f"--device {device!r} is not a list of CPU cores")
+        cores.update(span)
     return cores
 
 

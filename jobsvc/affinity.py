@@ -1,5 +1,6 @@
 """Shard state shared by every producer and worker, in Redis: which shard holds each document
-prefix, and how much prefill work each shard still has outstanding.
+prefix, and how much work each shard still has outstanding (in prefill tokens, each job's
+decode load included).
 
 The choice for a new document is the pure `routing.least_loaded`; Redis only makes it shared.
 A claim is HSETNX, so two producers racing on one new document agree on whoever came first.
@@ -99,7 +100,7 @@ class ShardState:
                 pipe.execute()
 
     def release(self, releases: Mapping[int, int]) -> None:
-        """Return finished jobs' estimated prefill to their shards."""
+        """Return finished jobs' loads to their shards."""
         args: list[int | str] = []
         for shard, tokens in releases.items():
             if tokens:
@@ -109,5 +110,5 @@ class ShardState:
 
 
 def parse_loads(raw: Mapping[bytes, bytes], shards: int) -> list[int]:
-    """Per-shard outstanding prefill from the load hash (a missing shard has none)."""
+    """Per-shard outstanding work from the load hash (a missing shard has none)."""
     return [int(raw.get(str(shard).encode(), 0)) for shard in range(shards)]

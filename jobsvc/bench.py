@@ -51,7 +51,7 @@ from jobsvc.processes import (
 )
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import Router, make_router, reset_routing_state
-from jobsvc.routing import document_keys
+from jobsvc.routing import RoutingJob, decode_load, document_keys
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
@@ -183,13 +183,15 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
     questions = prompts.questions([job["question"] for job in jobs])
     block_size = router.settings.block_size
     keys = {text: document_keys(tokens[text], block_size) for text in distinct}
-    per_job = [(keys[job["document"]], len(tokens[job["document"]]) + len(question))
+    decode_cost = router.settings.routing_decode_cost
+    per_job = [RoutingJob(keys[job["document"]], len(tokens[job["document"]]) + len(question),
+                          decode_load(job["max_tokens"], decode_cost))
                for job, question in zip(jobs, questions, strict=True)]
     return _Shape(
         shard_of_job=router.plan(per_job),
         ideal_hit_rate=ideal_hit_rate(
-            [(doc.document_key, len(tokens[job["document"]]), prompt)
-             for job, (doc, prompt) in zip(jobs, per_job, strict=True)], block_size),
+            [(routed.keys.document_key, len(tokens[job["document"]]), routed.prompt_tokens)
+             for job, routed in zip(jobs, per_job, strict=True)], block_size),
         bytes_raw=sum(len(json.dumps(job, separators=(",", ":"))) for job in jobs))
 
 

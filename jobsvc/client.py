@@ -21,7 +21,7 @@ from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUna
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import make_router
-from jobsvc.routing import document_keys
+from jobsvc.routing import RoutingJob, decode_load, document_keys
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -186,11 +186,13 @@ class Client:
         keys = {text: document_keys(tokens, self.settings.block_size)
                 for text, tokens in document_tokens.items()}
         epoch = self._shard_state.epoch()
+        decode_cost = self.settings.routing_decode_cost
         routes = self._router.route([
-            (keys[request.document], len(document_tokens[request.document]) + len(tokens))
+            RoutingJob(keys[request.document], len(document_tokens[request.document]) + len(tokens),
+                       decode_load(request.sampling["max_tokens"], decode_cost))
             for request, tokens in zip(requests, question_tokens, strict=True)])
         placed = [(route.shard, QueuedJob(job_id, keys[request.document].document_key, tokens,
-                                          request.sampling, route.estimated_prefill))
+                                          request.sampling, route.estimated_prefill, route.load))
                   for job_id, request, tokens, route
                   in zip(job_ids, requests, question_tokens, routes, strict=True)]
         return _Routed(
@@ -298,5 +300,5 @@ class Client:
 def _charges(placed: Sequence[tuple[int, QueuedJob]]) -> dict[int, int]:
     charges: dict[int, int] = {}
     for shard, job in placed:
-        charges[shard] = charges.get(shard, 0) + job.estimated_prefill
+        charges[shard] = charges.get(shard, 0) + job.load
     return charges

@@ -1,13 +1,14 @@
 """Routers: the policies of `jobsvc.policies` applied to one submit's jobs, with their state in
 Redis so that any number of producers route as one.
 
-Every router charges the shards' shared load counters (`ShardState`) with each job's estimated
-prefill, which workers return when the job ends. `cache_aware` also keeps, per shard, the block
-hashes its KV cache is estimated to hold (a sorted set scored by recency, trimmed to the
-capacity the shard's worker reported and the router has learned); a producer holds a short
-Redis lock while it reads that state, decides and writes it back, so two producers never
-decide on stale state. `plan` gives the choices a router makes on an idle cluster with empty
-caches, without Redis: the benchmark's standalone arm follows it.
+Every router charges the shards' shared load counters (`ShardState`) with each job's load (its
+estimated prefill plus its decode load), which workers return when the job ends.
+`cache_aware` also keeps, per shard, the block hashes its KV cache is estimated to hold (a
+sorted set scored by recency, trimmed to the capacity the shard's worker reported and the
+router has learned); a producer holds a short Redis lock while it reads that state, decides
+and writes it back, so two producers never decide on stale state. `plan` gives the choices a
+router makes on an idle cluster with empty caches, without Redis: the benchmark's standalone
+arm follows it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import redis
 from jobsvc.affinity import AFFINITY_KEY, LOAD_KEY, ShardState, parse_loads
 from jobsvc.errors import BrokerUnavailable
 from jobsvc.policies import AffinityPolicy, CacheAwarePolicy, RoundRobinPolicy
-from jobsvc.routing import DocumentKeys, document_demands, plan_from_scratch
+from jobsvc.routing import RoutingJob, document_demands, plan_from_scratch
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,6 @@ ROUTING_LOCK_KEY = "jobsvc:routing-lock"
 UNREPORTED_CAPACITY_BLOCKS = 1024
 # Longest a producer holds the routing lock (routing a large submit takes milliseconds).
 _LOCK_SECONDS = 10
-
-# A job as the router sees it: its document's keys and its prompt length in tokens.
-RoutingJob = tuple[DocumentKeys, int]
 
 # Moves a shard's learned capacity by the summed error of its jobs' cache expectations (in
 # blocks), within [longest chain seen, reported capacity], and forgets what no longer fits.
@@ -67,9 +65,11 @@ def cache_key(shard: int) -> str:
 @dataclass(frozen=True)
 class Route:
     shard: int
-    # Prompt tokens the shard is expected to compute: charged to its load, and compared by the
-    # worker with what the engine really found cached.
+    # Prompt tokens the shard is expected to compute: compared by the worker with what the
+    # engine really found cached.
     estimated_prefill: int
+    # What the shard is charged: the estimated prefill plus the job's decode load.
+    load: int
 
 
 class Router(ABC):
@@ -100,7 +100,7 @@ class RoundRobinRouter(Router):
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
         policy = RoundRobinPolicy(self.shards)
-        return [policy.choose(keys.blocks, prompt) for keys, prompt in jobs]
+        return [policy.choose(job.keys.blocks, job.prompt_tokens) for job in jobs]
 
 
 class AffinityRouter(Router):
@@ -110,7 +110,7 @@ class AffinityRouter(Router):
         demands = document_demands(jobs)
         placements = dict(zip((demand.prefix_key for demand in demands),
                               self._state.place(demands), strict=True))
-        shards = [placements[keys.prefix_key].shard for keys, _ in jobs]
+        shards = [placements[job.keys.prefix_key].shard for job in jobs]
         held = frozenset((placement.shard, key) for key, placement in placements.items()
                          if not placement.is_new)
         return _estimate_prefill(jobs, shards, held)
@@ -119,7 +119,7 @@ class AffinityRouter(Router):
         demands = document_demands(jobs)
         plan = dict(zip((demand.prefix_key for demand in demands),
                         plan_from_scratch(demands, self.shards), strict=True))
-        return [plan[keys.prefix_key] for keys, _ in jobs]
+        return [plan[job.keys.prefix_key] for job in jobs]
 
 
 class CacheAwareRouter(Router):
@@ -160,9 +160,9 @@ class CacheAwareRouter(Router):
         capacities; and the recency clock reserved for the blocks this submit touches.
         Two round trips: everything but the chains, then the chains whose first block a
         shard holds."""
-        chains = list({keys.blocks: None for keys, _ in jobs if keys.blocks})
+        chains = list({job.keys.blocks: None for job in jobs if job.keys.blocks})
         firsts = [chain[0] for chain in chains]
-        touched = sum(len(keys.blocks) for keys, _ in jobs)
+        touched = sum(len(job.keys.blocks) for job in jobs)
         with self._redis.pipeline(transaction=False) as pipe:
             pipe.incrby(CACHE_CLOCK_KEY, touched)
             pipe.hgetall(CAPACITY_KEY)
@@ -202,9 +202,9 @@ class CacheAwareRouter(Router):
         the engine frees a request's blocks tail first), trim each shard to its capacity and
         charge the loads."""
         recency: dict[int, dict[bytes, int]] = {}
-        for (keys, _), route in zip(jobs, routes, strict=True):
+        for job, route in zip(jobs, routes, strict=True):
             scores = recency.setdefault(route.shard, {})
-            for block in reversed(keys.blocks):
+            for block in reversed(job.keys.blocks):
                 clock += 1
                 scores[block] = clock
         with self._redis.pipeline(transaction=False) as pipe:
@@ -269,11 +269,11 @@ def make_router(client: redis.Redis, state: ShardState, settings: Settings) -> R
 
 def _decide(policy: CacheAwarePolicy, jobs: Sequence[RoutingJob]) -> list[Route]:
     routes = []
-    for keys, prompt in jobs:
+    for keys, prompt, decode in jobs:
         shard, cached = policy.route(keys.blocks, prompt)
         prefill = prompt - cached
-        policy.charge(shard, prefill)
-        routes.append(Route(shard, prefill))
+        policy.charge(shard, prefill + decode)
+        routes.append(Route(shard, prefill, prefill + decode))
     return routes
 
 
@@ -290,15 +290,15 @@ def _estimate_prefill(jobs: Sequence[RoutingJob], shards: Sequence[int],
     before, or brought there by an earlier job of the same submit): then only the tail."""
     seen = set(held)
     routes = []
-    for (keys, prompt), shard in zip(jobs, shards, strict=True):
+    for (keys, prompt, decode), shard in zip(jobs, shards, strict=True):
         cached = keys.cacheable_tokens if (shard, keys.prefix_key) in seen else 0
         seen.add((shard, keys.prefix_key))
-        routes.append(Route(shard, prompt - cached))
+        routes.append(Route(shard, prompt - cached, prompt - cached + decode))
     return routes
 
 
 def _charges(routes: Sequence[Route]) -> dict[int, int]:
     charges: dict[int, int] = {}
     for route in routes:
-        charges[route.shard] = charges.get(route.shard, 0) + route.estimated_prefill
+        charges[route.shard] = charges.get(route.shard, 0) + route.load
     return charges

@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
+from typing import NamedTuple
 
 _EMPTY = b"\x00" * 16
 
@@ -53,8 +54,9 @@ def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
 
 @dataclass(frozen=True)
 class DocumentDemand:
-    """What routing one document costs: its prefix key and the prefill tokens its jobs add
-    to a shard that has never seen it versus one that already holds it."""
+    """What routing one document costs: its prefix key and the load (prefill tokens, decode
+    included) its jobs add to a shard that has never seen it versus one that already holds
+    it."""
 
     prefix_key: str
     cost_if_new: int
@@ -67,15 +69,32 @@ class Placement:
     is_new: bool
 
 
-def document_demands(jobs: Sequence[tuple[DocumentKeys, int]]) -> list[DocumentDemand]:
-    """One demand per distinct prefix, in first-seen order, from (document keys, prompt
-    tokens) per job: every job pays its uncached tokens, and a shard new to the document
-    also computes the document's cacheable blocks once."""
+class RoutingJob(NamedTuple):
+    """A job as a router sees it."""
+
+    keys: DocumentKeys
+    prompt_tokens: int
+    # What generating its answer adds to its shard's load, in prefill tokens (`decode_load`).
+    decode_load: int = 0
+
+
+def decode_load(max_tokens: int, decode_cost: float) -> int:
+    """The load a job's answer puts on its shard: `decode_cost` prefill tokens per output token
+    it may generate. Loads count prefill tokens, and a question on a cached document costs
+    its shard mostly decoding: counting only prefill, a shard given a hot document's many
+    questions looks idle while it runs them all."""
+    return round(decode_cost * max_tokens)
+
+
+def document_demands(jobs: Sequence[RoutingJob]) -> list[DocumentDemand]:
+    """One demand per distinct prefix, in first-seen order: every job costs its uncached
+    tokens and its decode load, and a shard new to the document also computes the
+    document's cacheable blocks once."""
     known_cost: dict[str, int] = {}
     cacheable: dict[str, int] = {}
-    for keys, prompt_tokens in jobs:
+    for keys, prompt_tokens, decode in jobs:
         known_cost[keys.prefix_key] = (known_cost.get(keys.prefix_key, 0)
-                                       + prompt_tokens - keys.cacheable_tokens)
+                                       + prompt_tokens - keys.cacheable_tokens + decode)
         cacheable[keys.prefix_key] = keys.cacheable_tokens
     return [DocumentDemand(key, cost + cacheable[key], cost) for key, cost in known_cost.items()]
 
@@ -93,7 +112,7 @@ def plan_from_scratch(demands: Sequence[DocumentDemand], shards: int) -> list[in
 
 
 def least_loaded(loads: Sequence[int]) -> int:
-    """The shard with the least outstanding prefill work; ties go to the lowest index."""
+    """The shard with the least outstanding work; ties go to the lowest index."""
     return min(range(len(loads)), key=loads.__getitem__)
 
 

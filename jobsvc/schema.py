@@ -138,8 +138,11 @@ class QueuedJob:
     document_key: str
     question_tokens: list[int]
     sampling: dict[str, Any]
-    # The prefill tokens the router charged to the shard for this job; returned when it ends.
+    # The prompt tokens the router expected the shard to compute (the rest it expected cached).
     estimated_prefill: int
+    # What the router charged the shard for this job (`routers.Route.load`); returned when it
+    # ends.
+    load: int
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class BatchMessage:
             "v": MESSAGE_VERSION,
             "shard": self.shard,
             "jobs": [[job.job_id, job.document_key, job.question_tokens, job.sampling,
-                      job.estimated_prefill] for job in self.jobs],
+                      job.estimated_prefill, job.load] for job in self.jobs],
         }
 
     @classmethod
@@ -171,19 +174,22 @@ class BatchMessage:
 
 
 def _parse_job(entry: Any) -> QueuedJob:
-    if not isinstance(entry, list) or len(entry) != 5:
+    """A job entry; one without its load (enqueued before loads counted decoding) was charged
+    its estimated prefill alone."""
+    if not isinstance(entry, list) or len(entry) not in (5, 6):
         raise MessageError("a job entry must be [id, document_key, question_tokens, sampling, "
-                           "estimated_prefill]")
-    job_id, document_key, question_tokens, sampling, prefill = entry
+                           "estimated_prefill, load]")
+    job_id, document_key, question_tokens, sampling, prefill = entry[:5]
+    load = entry[5] if len(entry) == 6 else prefill
     if not (isinstance(job_id, str) and job_id and isinstance(document_key, str)
             and document_key):
         raise MessageError(f"job {job_id!r} has no ID or no document key")
-    if not _is_token_list(question_tokens) or not isinstance(sampling, dict) or not _is_int(
-            prefill):
-        raise MessageError(f"job {job_id!r} has malformed tokens, sampling or prefill")
+    if not _is_token_list(question_tokens) or not isinstance(sampling, dict) or not (
+            _is_int(prefill) and _is_int(load)):
+        raise MessageError(f"job {job_id!r} has malformed tokens, sampling, prefill or load")
     if set(sampling) - SAMPLING_KEYS:
         raise MessageError(f"job {job_id!r} has unknown sampling keys")
-    return QueuedJob(job_id, document_key, question_tokens, sampling, prefill)
+    return QueuedJob(job_id, document_key, question_tokens, sampling, prefill, load)
 
 
 def _is_int(value: Any) -> bool:

@@ -47,6 +47,10 @@ class Settings:
     # slack over the mean outstanding prefill beyond which a shard takes no job.
     routing_load_weight: float = DEFAULT_WEIGHT
     routing_load_slack: float = DEFAULT_EPSILON
+    # Every policy: prefill tokens one output token (of a job's max_tokens) adds to its shard's
+    # load. On the 2-core CPU host a cached question's 16 tokens cost its core about as much
+    # as 130 prompt tokens (see the README's routing section).
+    routing_decode_cost: float = 8.0
     # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
     # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
     worker_concurrency: int = 8
@@ -120,9 +124,9 @@ class Settings:
         if self.routing not in POLICY_NAMES:
             raise ConfigurationError(f"JOBSVC_ROUTING={self.routing!r} is not one of "
                                      f"{', '.join(POLICY_NAMES)}")
-        if self.routing_load_weight < 0 or self.routing_load_slack < 0:
-            raise ConfigurationError(
-                "JOBSVC_ROUTING_LOAD_WEIGHT and JOBSVC_ROUTING_LOAD_SLACK must be >= 0")
+        if min(self.routing_load_weight, self.routing_load_slack, self.routing_decode_cost) < 0:
+            raise ConfigurationError("JOBSVC_ROUTING_LOAD_WEIGHT, JOBSVC_ROUTING_LOAD_SLACK and "
+                                     "JOBSVC_ROUTING_DECODE_COST must be >= 0")
         if self.dtype and self.dtype not in DTYPES:
             raise ConfigurationError(f"JOBSVC_DTYPE={self.dtype!r} is not one of "
                                      f"{', '.join(DTYPES)}")

@@ -154,7 +154,7 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
           "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
           "submitted_at": utcnow(), "redis_epoch": epoch} for key in documents])
     store.dispose()
-    message = BatchMessage(0, [QueuedJob(job_id, key, [5], {"max_tokens": 4}, 4)
+    message = BatchMessage(0, [QueuedJob(job_id, key, [5], {"max_tokens": 4}, 4, 4)
                                for key, job_id in job_ids.items()])
     publish(make_celery(harness.settings), [message])
     return list(job_ids.values())

@@ -13,8 +13,10 @@ import redis
 from sqlalchemy import select, update
 
 from jobsvc import Client, JobNotFound, JobStatus
+from jobsvc.affinity import LOAD_KEY, parse_loads
 from jobsvc.compression import decompress, is_zstd_frame
 from jobsvc.local import LocalWorkers
+from jobsvc.routing import decode_load
 from jobsvc.settings import Settings
 from jobsvc.store import Document, Job, Result, Store
 from jobsvc.workloads import document, document_questions, question
@@ -36,6 +38,29 @@ def test_submitted_jobs_succeed_with_answers_and_token_counts(client: Client) ->
         assert record.completion_tokens == 12
         assert record.cached_tokens is not None
         assert record.submitted_at <= record.started_at <= record.finished_at
+
+
+def test_shard_loads_return_to_where_they_were_once_the_jobs_end(client: Client,
+                                                                settings: Settings) -> None:
+    """Each job's load, its answer's decode load included, is charged at submit and paid back
+    by the worker when the job ends, so the loads count only outstanding work."""
+    broker = redis.Redis.from_url(settings.redis_url)
+
+    def total_load() -> int:
+        return sum(parse_loads(broker.hgetall(LOAD_KEY), settings.shards))
+
+    before = total_load()
+    jobs = document_questions(documents=2, questions_per_document=3, words_per_document=300,
+                              seed=12)
+    ids = client.submit_many({"document": job.document, "question": job.question,
+                              "max_tokens": 12, "ignore_eos": True} for job in jobs)
+    assert total_load() - before > len(ids) * decode_load(12, settings.routing_decode_cost) > 0
+    client.wait(ids, timeout=TIMEOUT)
+    # The worker returns the loads just after it commits the results the wait saw.
+    deadline = time.monotonic() + 10
+    while total_load() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert total_load() == before
 
 
 def test_single_submit_returns_an_id_that_get_resolves(client: Client) -> None:

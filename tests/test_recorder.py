@@ -38,7 +38,7 @@ def _running_recorder(store: Store, settings: Settings) -> Iterator[ResultRecord
 
 def _finish(recorder: ResultRecorder, job_id: str, completion: Completion) -> None:
     recorder.job_finished(JobOutcome(job_id, "answer", None, 1, 0, utcnow()), shard=0,
-                          prefill=10, check=CacheCheck(0, 16), completion=completion)
+                          load=10, check=CacheCheck(0, 16), completion=completion)
 
 
 def _claimed(store: Store, queued_job: Callable[[], str], count: int) -> list[str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from jobsvc.routing import (
+    RoutingJob,
     block_hashes,
+    decode_load,
     document_demands,
     document_keys,
     least_loaded,
@@ -37,15 +39,25 @@ def test_a_document_shorter_than_a_block_still_gets_distinct_keys() -> None:
 
 def test_demands_charge_the_document_once_and_each_question_its_uncached_part() -> None:
     doc = document_keys(list(range(10)), block_size=4)  # 8 cacheable tokens
-    demands = document_demands([(doc, 13), (doc, 12)])
+    demands = document_demands([RoutingJob(doc, 13), RoutingJob(doc, 12)])
     assert len(demands) == 1
     assert demands[0].cost_if_known == (13 - 8) + (12 - 8)
     assert demands[0].cost_if_new == demands[0].cost_if_known + 8
 
 
+def test_a_jobs_decode_load_counts_in_its_documents_demand() -> None:
+    doc = document_keys(list(range(10)), block_size=4)
+    plain = document_demands([RoutingJob(doc, 13), RoutingJob(doc, 12)])[0]
+    decoding = document_demands([RoutingJob(doc, 13, 128), RoutingJob(doc, 12, 128)])[0]
+    assert decoding.cost_if_known == plain.cost_if_known + 256
+    assert decoding.cost_if_new == plain.cost_if_new + 256
+    assert decode_load(16, 8.0) == 128
+    assert decode_load(16, 0.0) == 0
+
+
 def test_plan_from_scratch_sends_each_new_document_to_the_least_loaded_shard() -> None:
-    big = document_demands([(document_keys(list(range(100)), 4), 100)])
-    small = [document_demands([(document_keys([n] * 10, 4), 10)])[0] for n in (1, 2, 3)]
+    big = document_demands([RoutingJob(document_keys(list(range(100)), 4), 100)])
+    small = [document_demands([RoutingJob(document_keys([n] * 10, 4), 10)])[0] for n in (1, 2, 3)]
     assert plan_from_scratch([*big, *small], shards=2) == [0, 1, 1, 1]
     assert least_loaded([3, 1, 1]) == 1
     assert queue_name(3) == "jobs.shard.3"

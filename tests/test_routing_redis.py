@@ -10,9 +10,17 @@ import pytest
 import redis
 
 from jobsvc import Client
-from jobsvc.affinity import LOAD_KEY, ShardState
-from jobsvc.routers import CAPACITY_KEY, CacheFeedback, Route, Router, cache_key, make_router
-from jobsvc.routing import DocumentKeys, document_keys, queue_name
+from jobsvc.affinity import LOAD_KEY, ShardState, parse_loads
+from jobsvc.routers import (
+    CAPACITY_KEY,
+    CacheFeedback,
+    Route,
+    Router,
+    cache_key,
+    make_router,
+    reset_routing_state,
+)
+from jobsvc.routing import DocumentKeys, RoutingJob, document_keys, queue_name
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 
@@ -40,7 +48,9 @@ def test_all_questions_on_a_document_go_to_one_shard_and_new_documents_spread(
 def test_racing_producers_agree_on_the_shard_of_a_new_document(routing_settings,
                                                                policy: str) -> None:
     rng = random.Random(4)
-    texts = [document(rng, 60) for _ in range(12)]
+    # Long enough that a shard holding one is worth all four producers' questions, decode
+    # loads and all.
+    texts = [document(rng, 600) for _ in range(12)]
     settings = replace(routing_settings, routing=policy)
     broker = redis.Redis.from_url(settings.redis_url)
     # Busy shards, so that a few more prompts never push one past cache_aware's load bound.
@@ -86,30 +96,55 @@ def test_cache_aware_routes_later_questions_to_the_shard_holding_the_document(
         routing_settings) -> None:
     router = _router(routing_settings)
     doc = _doc(1)
-    first = router.route([(doc, 20)])[0]
+    first = router.route([RoutingJob(doc, 20)])[0]
     assert first.estimated_prefill == 20
     # Another producer, another submit: the estimate in Redis brings it to the same shard,
     # which is expected to compute only the question tail.
-    again = _router(routing_settings).route([(doc, 20)])[0]
-    assert again == Route(first.shard, 20 - doc.cacheable_tokens)
+    again = _router(routing_settings).route([RoutingJob(doc, 20)])[0]
+    assert again == Route(first.shard, 20 - doc.cacheable_tokens, 20 - doc.cacheable_tokens)
     # A document sharing only its first block goes there too when loads are even, expecting
     # that block cached.
     redis.Redis.from_url(routing_settings.redis_url).delete(LOAD_KEY)
     edited = _doc(1, body=99)
     assert edited.blocks[0] == doc.blocks[0] and edited.blocks[1] != doc.blocks[1]
-    assert router.route([(edited, 20)])[0] == Route(first.shard, 20 - 4)
+    assert router.route([RoutingJob(edited, 20)])[0] == Route(first.shard, 20 - 4, 20 - 4)
 
 
 def test_cache_aware_spreads_a_hot_document_within_one_submit(routing_settings) -> None:
     router = _router(routing_settings)
     hot = _doc(2, blocks=8)
-    routes = router.route([(hot, 40)] * 64)
+    routes = router.route([RoutingJob(hot, 40)] * 64)
     per_shard = [sum(route.shard == shard for route in routes) for shard in range(8)]
     assert sum(per_shard) == 64 and max(per_shard) < 64
     # Every shard that got the document computes it once and serves its other jobs from cache.
     assert sum(route.estimated_prefill == 40 for route in routes) == sum(
         count > 0 for count in per_shard)
-    assert router.plan([(hot, 40)] * 64) == [route.shard for route in routes]
+    assert router.plan([RoutingJob(hot, 40)] * 64) == [route.shard for route in routes]
+
+
+def test_decode_loads_keep_a_hot_documents_shard_from_looking_idle(routing_settings) -> None:
+    """A question on a document its shard holds costs little prefill but a whole answer of
+    decoding. Charged only the prefill, the hot document's shard looks nearly idle and draws
+    the new documents too; charged the decode load as well, both shards get equal work."""
+    broker = redis.Redis.from_url(routing_settings.redis_url)
+    hot, others = _doc(20, blocks=8), [_doc(30 + index, blocks=8) for index in range(6)]
+    decode = 128  # 16 output tokens at 8 prefill tokens each
+
+    def work_per_shard(charged_decode: int) -> list[int]:
+        reset_routing_state(broker, 2)
+        jobs = ([RoutingJob(hot, 36, charged_decode)] * 12
+                + [RoutingJob(doc, 36, charged_decode) for doc in others])
+        routes = _router(routing_settings, shards=2).route(jobs)
+        loads = parse_loads(broker.hgetall(LOAD_KEY), 2)
+        assert loads == [sum(route.load for route in routes if route.shard == shard)
+                         for shard in range(2)]
+        return [sum(route.estimated_prefill + decode for route in routes
+                    if route.shard == shard) for shard in range(2)]
+
+    prefill_only = work_per_shard(0)
+    assert max(prefill_only) > 2 * min(prefill_only)
+    with_decode = work_per_shard(decode)
+    assert max(with_decode) <= 1.1 * min(with_decode)
 
 
 def test_worker_feedback_sets_and_learns_the_cache_capacity(routing_settings) -> None:
@@ -117,7 +152,7 @@ def test_worker_feedback_sets_and_learns_the_cache_capacity(routing_settings) ->
     feedback = CacheFeedback(broker)
     router = _router(routing_settings, shards=1)
     feedback.engine_started(0, capacity_blocks=10)
-    router.route([(_doc(3), 20), (_doc(4), 20)])
+    router.route([RoutingJob(_doc(3), 20), RoutingJob(_doc(4), 20)])
     assert broker.zcard(cache_key(0)) == 8
     # Jobs found 5 blocks fewer cached than expected: the cache keeps less than estimated,
     # so the router shrinks its capacity and forgets the least recently used blocks.
@@ -132,7 +167,7 @@ def test_worker_feedback_sets_and_learns_the_cache_capacity(routing_settings) ->
     # A restarted engine holds nothing.
     feedback.engine_started(0, capacity_blocks=12)
     assert broker.zcard(cache_key(0)) == 0
-    assert router.route([(_doc(3), 20)])[0].estimated_prefill == 20
+    assert router.route([RoutingJob(_doc(3), 20)])[0].estimated_prefill == 20
 
 
 def test_concurrent_cache_aware_producers_lose_no_state(routing_settings) -> None:
@@ -142,7 +177,7 @@ def test_concurrent_cache_aware_producers_lose_no_state(routing_settings) -> Non
     def produce(start: int) -> None:
         router = _router(routing_settings)
         for index in range(start, len(documents), 4):
-            routes[index] = router.route([(documents[index], 20)])[0]
+            routes[index] = router.route([RoutingJob(documents[index], 20)])[0]
 
     threads = [threading.Thread(target=produce, args=(start,)) for start in range(4)]
     for thread in threads:
@@ -164,6 +199,6 @@ def test_round_robin_deals_jobs_in_turn_across_producers(routing_settings) -> No
     first, second = _router(routing_settings, "round_robin"), _router(routing_settings,
                                                                         "round_robin")
     doc = _doc(5)
-    shards = [route.shard for route in first.route([(doc, 20)] * 5)]
-    shards += [route.shard for route in second.route([(doc, 20)] * 5)]
+    shards = [route.shard for route in first.route([RoutingJob(doc, 20)] * 5)]
+    shards += [route.shard for route in second.route([RoutingJob(doc, 20)] * 5)]
     assert shards == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]

@@ -29,7 +29,7 @@ def test_text_limits_and_encodings_are_enforced(document: str, question: str,
 
 
 def _job(job_id: str, document: str) -> QueuedJob:
-    return QueuedJob(job_id, document, [7, 8], {"max_tokens": 4}, 10)
+    return QueuedJob(job_id, document, [7, 8], {"max_tokens": 4}, 10, 42)
 
 
 def test_batch_message_round_trips_through_its_wire_form() -> None:
@@ -39,7 +39,13 @@ def test_batch_message_round_trips_through_its_wire_form() -> None:
 
 def test_batch_messages_name_documents_and_carry_none() -> None:
     wire = BatchMessage(0, [_job("a", "d")]).to_wire()
-    assert wire == {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10]]}
+    assert wire == {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10, 42]]}
+
+
+def test_a_job_enqueued_without_its_load_returns_its_estimated_prefill() -> None:
+    """Messages enqueued before loads counted decoding were charged the prefill alone."""
+    wire = {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10]]}
+    assert BatchMessage.from_wire(wire).jobs[0].load == 10
 
 
 @pytest.mark.parametrize("wire", [
@@ -53,6 +59,8 @@ def test_batch_messages_name_documents_and_carry_none() -> None:
     {"v": 2, "shard": 0, "jobs": [["a", "d", [1, -2], {}, 1]]},
     {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {"x": 1}, 1]]},
     {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}]]},
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}, 1, "2"]]},
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}, 1, 2, 3]]},
     {"v": 2, "shard": True, "jobs": []},
     {"v": 2, "shard": 0, "jobs": {"a": "d"}},
 ])

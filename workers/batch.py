@@ -50,7 +50,7 @@ class BatchRunner:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
         jobs, requests, checks = self._claim(message)
-        prefill = {job.job_id: job.estimated_prefill for job in jobs}
+        loads = {job.job_id: job.load for job in jobs}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
         started = time.time()
@@ -60,11 +60,11 @@ class BatchRunner:
             with self._lock:
                 self._running.discard(result.job_id)
             self._recorder.job_finished(_outcome(result), message.shard,
-                                        prefill[result.job_id], checks[result.job_id],
+                                        loads[result.job_id], checks[result.job_id],
                                         completion)
 
         with self._lock:
-            self._running.update(prefill)
+            self._running.update(loads)
             if requests and self._first_admission is None:
                 self._first_admission = started
         self._engine.submit(requests, on_result).result()
@@ -97,7 +97,7 @@ class BatchRunner:
         if skipped:
             log.info("shard %d skips %d jobs that will not run (cancelled, finished, or "
                      "failed at their claim)", self.shard, len(skipped))
-            self._recorder.release_load(message.shard, sum(j.estimated_prefill for j in skipped))
+            self._recorder.release_load(message.shard, sum(job.load for job in skipped))
         jobs = [job for job in message.jobs if job.job_id in documents]
         requests = [EngineRequest(job.job_id, documents[job.job_id],
                                   tuple(job.question_tokens), job.sampling) for job in jobs]

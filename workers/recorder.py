@@ -104,17 +104,17 @@ class ResultRecorder:
             self._wake.notify()
         self._thread.join()
 
-    def job_finished(self, outcome: JobOutcome, shard: int, prefill: int, check: CacheCheck,
+    def job_finished(self, outcome: JobOutcome, shard: int, load: int, check: CacheCheck,
                      completion: Completion) -> None:
-        self._gather(("job", (outcome, shard, prefill, check, completion)),
+        self._gather(("job", (outcome, shard, load, check, completion)),
                      completes_batch=completion.finished())
 
     def batch_finished(self, row: dict[str, Any]) -> None:
         self._gather(("batch", row))
 
-    def release_load(self, shard: int, tokens: int) -> None:
+    def release_load(self, shard: int, load: int) -> None:
         """Return the load of jobs that will not run (cancelled while queued)."""
-        self._gather(("release", (shard, tokens)))
+        self._gather(("release", (shard, load)))
 
     def _gather(self, item: tuple[str, Any], completes_batch: bool = False) -> None:
         with self._wake:
@@ -148,12 +148,12 @@ class ResultRecorder:
             pending.batch_stats.append(payload)
             return
         if kind == "release":
-            shard, tokens = payload
-            pending.releases[shard] = pending.releases.get(shard, 0) + tokens
+            shard, load = payload
+            pending.releases[shard] = pending.releases.get(shard, 0) + load
             return
-        outcome, shard, prefill, check, completion = payload
+        outcome, shard, load, check, completion = payload
         pending.outcomes.append(outcome)
-        pending.releases[shard] = pending.releases.get(shard, 0) + prefill
+        pending.releases[shard] = pending.releases.get(shard, 0) + load
         if outcome.error is None:
             error, floor = pending.cache_errors.get(shard, (0, 0))
             pending.cache_errors[shard] = (

@@ -80,9 +80,9 @@ class RoutingJob(NamedTuple):
 
 def decode_load(max_tokens: int, decode_cost: float) -> int:
     """The load a job's answer puts on its shard: `decode_cost` prefill tokens per output token
-    it may generate. Loads count prefill tokens, and a question on a cached document costs
-    its shard mostly decoding: counting only prefill, a shard given a hot document's many
-    questions looks idle while it runs them all."""
+    it may generate. A question on a cached document costs its shard mostly decoding: with
+    prefill alone in the loads, a shard given a hot document's many questions looks idle
+    while it runs them all."""
     return round(decode_cost * max_tokens)
 
 

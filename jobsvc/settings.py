@@ -43,8 +43,8 @@ class Settings:
     # Shard choice: cache_aware (cache overlap against load), affinity (a document sticks to
     # its first shard) or round_robin; see the README's routing section for the measurements.
     routing: str = "cache_aware"
-    # cache_aware: prefill tokens one token of a shard's outstanding prefill is worth, and the
-    # slack over the mean outstanding prefill beyond which a shard takes no job.
+    # cache_aware: prefill tokens one unit of a shard's outstanding work is worth, and the
+    # slack over the mean outstanding work beyond which a shard takes no job.
     routing_load_weight: float = DEFAULT_WEIGHT
     routing_load_slack: float = DEFAULT_EPSILON
     # Every policy: prefill tokens one output token (of a job's max_tokens) adds to its shard's

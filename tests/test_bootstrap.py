@@ -12,20 +12,44 @@ from jobsvc.errors import ConfigurationError
 from workers.bootstrap import cpu_cores
 
 _REPORT_AFFINITIES = """
-import multiprocessing, os, sys
-from workers.bootstrap import keep_to_device
+import multiprocessing, os, sys, threading
+from workers.bootstrap import keep_to_device, kept_to_device
 
 def child(queue):
     queue.put(sorted(os.sched_getaffinity(0)))
 
-if __name__ == "__main__":
-    keep_to_device(sys.argv[1])
+def report():
+    # The cores of the calling thread and of a process it spawns.
     queue = multiprocessing.get_context("spawn").Queue()
     process = multiprocessing.get_context("spawn").Process(target=child, args=(queue,))
     process.start()
-    print(sorted(os.sched_getaffinity(0)), queue.get(timeout=60))
+    reported = [sorted(os.sched_getaffinity(0)), queue.get(timeout=60)]
     process.join()
+    return reported
+
+if __name__ == "__main__":
+    device, how = sys.argv[1:]
+    if how == "worker":
+        keep_to_device(device)
+        print(*report())
+    else:
+        before = sorted(os.sched_getaffinity(0))
+        reports = []
+        with kept_to_device(device):
+            thread = threading.Thread(target=lambda: reports.extend(report()))
+            thread.start()
+        thread.join()
+        print(*reports, sorted(os.sched_getaffinity(0)) == before)
 """
+
+
+def _report_affinities(tmp_path: Path, device: str, how: str) -> list[str]:
+    script = tmp_path / "report_affinities.py"
+    script.write_text(_REPORT_AFFINITIES)
+    reported = subprocess.run([sys.executable, str(script), device, how],
+                              cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                              timeout=120, check=True)
+    return reported.stdout.split()
 
 
 def test_cpu_devices_name_cores_as_vllm_reads_them() -> None:
@@ -43,11 +67,14 @@ def test_cpu_devices_name_cores_as_vllm_reads_them() -> None:
 def test_a_worker_bound_to_one_core_keeps_itself_and_the_processes_it_starts_there(
         tmp_path: Path) -> None:
     # vLLM starts its scheduler process from the worker the same way: spawned, inheriting.
-    script = tmp_path / "report_affinities.py"
-    script.write_text(_REPORT_AFFINITIES)
-    reported = subprocess.run([sys.executable, str(script), "1"], cwd=Path(__file__).parents[1],
-                              capture_output=True, text=True, timeout=120, check=True)
-    assert reported.stdout.split() == ["[1]", "[1]"]
+    assert _report_affinities(tmp_path, "1", "worker") == ["[1]", "[1]"]
+
+
+def test_an_engine_started_for_a_device_runs_there_while_its_starter_goes_free(
+        tmp_path: Path) -> None:
+    # The bench's own standalone engines: each one's loop thread, and the processes that
+    # thread spawns, on its shard's core; the bench process's own thread on every core again.
+    assert _report_affinities(tmp_path, "1", "thread") == ["[1]", "[1]", "True"]
 
 
 def test_a_device_naming_cores_the_machine_lacks_stops_the_worker_with_a_clear_error() -> None:

@@ -5,6 +5,8 @@ Celery's prefork children, being daemonic, may not do.)"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -70,6 +72,20 @@ def keep_to_device(device: str | None) -> None:
             raise ConfigurationError(
                 f"--device {device!r} names cores this machine does not offer "
                 f"(it has {sorted(os.sched_getaffinity(0))})") from None
+
+
+@contextmanager
+def kept_to_device(device: str | None) -> Iterator[None]:
+    """Keep what the calling thread starts meanwhile on the device's cores, as
+    `keep_to_device` keeps a worker (threads and processes inherit their starter's cores),
+    then free the thread again: an engine started inside runs where its shard's worker would,
+    in a process that drives engines on other cores too."""
+    before = os.sched_getaffinity(0)
+    keep_to_device(device)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:

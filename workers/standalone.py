@@ -19,7 +19,7 @@ from typing import Any
 
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
-from workers.bootstrap import bind_device
+from workers.bootstrap import bind_device, kept_to_device
 from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
 
@@ -83,8 +83,9 @@ class StandaloneEngines:
         self._engines: list[EngineAdapter] = []
         for device in devices:
             bind_device(settings, device)
-            adapter = EngineAdapter(engine_args(settings))
-            adapter.start()
+            with kept_to_device(device):
+                adapter = EngineAdapter(engine_args(settings))
+                adapter.start()
             self._engines.append(adapter)
         self._prompts = PromptBuilder(settings.model, settings.max_model_len)
         self._prompts.questions(["warm up the tokenizer"])

@@ -30,23 +30,31 @@ SETTINGS = {"decode_cost": "routing_decode_cost", "load_weight": "routing_load_w
             "load_slack": "routing_load_slack"}
 
 
-def planned_work(jobs: list[dict[str, Any]], shard_of_job: list[int], prompts: PromptBuilder,
-                 shards: int) -> list[dict[str, int]]:
+def planned_work(jobs: list[dict[str, Any]], shard_of_job: list[int],
+                 prompt_lengths: tuple[dict[str, int], list[int]], shards: int
+                 ) -> list[dict[str, int]]:
     """Per shard, what an assignment asks of it: jobs, prompt tokens to prefill (each
-    document once per shard, as a cache large enough to keep it would), output tokens."""
-    distinct = list(dict.fromkeys(job["document"] for job in jobs))
-    document_tokens = dict(zip(distinct, map(len, prompts.documents(distinct)), strict=True))
-    questions = prompts.questions([job["question"] for job in jobs])
+    document once per shard, as a cache large enough to keep it would), output tokens.
+    `prompt_lengths`: each document's tokens by text, and each job's question tokens."""
+    document_tokens, question_tokens = prompt_lengths
     work = [{"jobs": 0, "prefill_tokens": 0, "output_tokens": 0} for _ in range(shards)]
     seen: set[tuple[int, str]] = set()
-    for job, question, shard in zip(jobs, questions, shard_of_job, strict=True):
+    for job, question, shard in zip(jobs, question_tokens, shard_of_job, strict=True):
         if (shard, job["document"]) not in seen:
             seen.add((shard, job["document"]))
             work[shard]["prefill_tokens"] += document_tokens[job["document"]]
         work[shard]["jobs"] += 1
-        work[shard]["prefill_tokens"] += len(question)
+        work[shard]["prefill_tokens"] += question
         work[shard]["output_tokens"] += job["max_tokens"]
     return work
+
+
+def prompt_lengths(jobs: list[dict[str, Any]], prompts: PromptBuilder
+                   ) -> tuple[dict[str, int], list[int]]:
+    """Each distinct document's length in tokens, and each job's question's."""
+    distinct = list(dict.fromkeys(job["document"] for job in jobs))
+    return (dict(zip(distinct, map(len, prompts.documents(distinct)), strict=True)),
+            [len(tokens) for tokens in prompts.questions([job["question"] for job in jobs])])
 
 
 def run(workload: str, shards: int, setting: str, values: list[float], rounds: int,
@@ -76,11 +84,12 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
         finally:
             bench.stop_engines()
     first = values[0]
+    lengths = prompt_lengths(jobs, bench.prompts)
     return {
         "workload": workload, "shards": shards, "mode": mode, "rounds": rounds,
         "setting": SETTINGS[setting],
-        "planned_work": {str(value): planned_work(jobs, shapes[value].shard_of_job,
-                                                  bench.prompts, shards) for value in values},
+        "planned_work": {str(value): planned_work(jobs, shapes[value].shard_of_job, lengths,
+                                                  shards) for value in values},
         "bursts": {str(value): runs for value, runs in bursts.items()},
         "median_requests_per_second": {
             str(value): statistics.median(run["requests_per_second"] for run in runs)

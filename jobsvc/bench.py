@@ -168,7 +168,7 @@ def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
 
 
 @dataclass
-class _Shape:
+class TrialShape:
     """What a trial's jobs look like to the router, computed outside the timed region."""
 
     shard_of_job: list[int]
@@ -176,8 +176,8 @@ class _Shape:
     bytes_raw: int
 
 
-def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Router
-           ) -> _Shape:
+def trial_shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Router
+                ) -> TrialShape:
     distinct = list(dict.fromkeys(job["document"] for job in jobs))
     tokens = dict(zip(distinct, prompts.documents(distinct), strict=True))
     questions = prompts.questions([job["question"] for job in jobs])
@@ -187,7 +187,7 @@ def _shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Route
     per_job = [RoutingJob(keys[job["document"]], len(tokens[job["document"]]) + len(question),
                           decode_load(job["max_tokens"], decode_cost))
                for job, question in zip(jobs, questions, strict=True)]
-    return _Shape(
+    return TrialShape(
         shard_of_job=router.plan(per_job),
         ideal_hit_rate=ideal_hit_rate(
             [(routed.keys.document_key, len(tokens[job["document"]]), routed.prompt_tokens)
@@ -256,7 +256,11 @@ class _Totals:
     failed: int = 0
 
 
-class _Bench:
+class Bench:
+    """One bench run's moving parts: the service's workers, the standalone arm's engines
+    (where it has its own), and the producer's view of routing, with the totals both arms
+    add up pair by pair. Scripts that race other settings on the same engines use it too."""
+
     def __init__(self, settings: Settings, options: BenchOptions,
                  progress: Callable[[str], None]) -> None:
         self.settings = settings
@@ -374,7 +378,7 @@ class _Bench:
             **{part: sum(getattr(run, part) for run in runs)
                for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
-    def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+    def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: TrialShape,
                     totals: _Totals | None) -> ArmResult:
         """One burst through the service; its queue, routing and collection figures go into
         `totals` (none for an unrecorded burst)."""
@@ -477,7 +481,7 @@ class _Bench:
             raise RuntimeError("no worker says when the burst's first batch reached its engine")
         return min(admitted)
 
-    def run_standalone(self, jobs: list[dict[str, Any]], shape: _Shape,
+    def run_standalone(self, jobs: list[dict[str, Any]], shape: TrialShape,
                        mode: str, record: bool = True) -> ArmResult:
         engines = self.engines
         if engines is None and not self.options.standalone_on_workers:
@@ -515,7 +519,7 @@ class _Bench:
                          **steps)
 
 
-    def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+    def run_service_slot(self, client: Client, jobs: list[dict[str, Any]], shape: TrialShape,
                          mode: str) -> ArmResult:
         """The service arm, or in an A/A run (`standalone_twice`) the standalone arm again."""
         if self.options.standalone_twice:
@@ -524,7 +528,7 @@ class _Bench:
             self.pace_admission(self.settings.admission_chunk, self.settings.admission_pause_ms)
         return self.run_service(client, jobs, shape, self.totals)
 
-    def run_standalone_slot(self, client: Client, jobs: list[dict[str, Any]], shape: _Shape,
+    def run_standalone_slot(self, client: Client, jobs: list[dict[str, Any]], shape: TrialShape,
                             mode: str) -> ArmResult:
         """The standalone arm, or in an admission A/B run (`compare_admission`) the service
         admitting each message at once, whose figures are kept apart from the paced
@@ -558,7 +562,7 @@ def run_bench(settings: Settings, options: BenchOptions,
     settings.validate()
     check_options(settings, options)
     upgrade_to_head(settings.resolved_database_url)
-    bench = _Bench(settings, options, progress)
+    bench = Bench(settings, options, progress)
     from workers.standalone import ADMISSION_MODES
 
     progress(f"starting {settings.shards} service worker(s)"
@@ -571,10 +575,10 @@ def run_bench(settings: Settings, options: BenchOptions,
         bench.stop_engines()
 
 
-def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str, Any]:
+def _run_pairs(bench: Bench, client: Client, modes: Sequence[str]) -> dict[str, Any]:
     options, progress = bench.options, bench.progress
     calibration_jobs = bench_jobs(options, trial=0)
-    calibration_shape = _shape(calibration_jobs, bench.prompts, bench.router)
+    calibration_shape = trial_shape(calibration_jobs, bench.prompts, bench.router)
     # Both arms run full bursts before the pairs (the standalone arm through calibration),
     # so neither meets the burst shape for the first time inside a measured pair.
     bench.run_service(client, calibration_jobs, calibration_shape, None)
@@ -589,11 +593,11 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
     bytes_raw: list[int] = []
     for trial in range(1, options.trials + 1):
         jobs = bench_jobs(options, trial)
-        shape = _shape(jobs, bench.prompts, bench.router)
+        shape = trial_shape(jobs, bench.prompts, bench.router)
         other_jobs, other_shape = jobs, shape
         if options.compare_admission:
             other_jobs = bench_jobs(options, options.trials + trial)
-            other_shape = _shape(other_jobs, bench.prompts, bench.router)
+            other_shape = trial_shape(other_jobs, bench.prompts, bench.router)
         ideal_rates.append(shape.ideal_hit_rate)
         bytes_raw.append(shape.bytes_raw)
         if options.fresh_engines:
@@ -625,7 +629,7 @@ def _run_pairs(bench: _Bench, client: Client, modes: Sequence[str]) -> dict[str,
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 
-def _calibrate(bench: _Bench, jobs: list[dict[str, Any]], shape: _Shape, modes: Sequence[str]
+def _calibrate(bench: Bench, jobs: list[dict[str, Any]], shape: TrialShape, modes: Sequence[str]
                ) -> tuple[str, dict[str, float]]:
     """The standalone arm's better admission style, and each style's rate."""
     # Each style runs twice, in mirrored order (A B B A), so that neither a drift of the
@@ -641,7 +645,7 @@ def _calibrate(bench: _Bench, jobs: list[dict[str, Any]], shape: _Shape, modes: 
     return mode, calibration
 
 
-def _report(bench: _Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
+def _report(bench: Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
             ideal_rates: list[float], bytes_raw: list[int]) -> dict[str, Any]:
     totals, options = bench.totals, bench.options
     result: dict[str, Any] = {

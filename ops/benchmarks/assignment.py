@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.affinity import ShardState
-from jobsvc.bench import BenchOptions, _Bench, _shape, bench_jobs
+from jobsvc.bench import Bench, BenchOptions, bench_jobs, trial_shape
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import make_router
 from jobsvc.settings import Settings
@@ -61,9 +61,9 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
         mode: str) -> dict[str, Any]:
     settings = replace(Settings.from_env(), shards=shards)
     options = BenchOptions(workload=workload, shards=shards)
-    bench = _Bench(settings, options, print)
+    bench = Bench(settings, options, print)
     jobs = bench_jobs(options, trial=0)
-    shapes = {value: _shape(jobs, bench.prompts, make_router(
+    shapes = {value: trial_shape(jobs, bench.prompts, make_router(
                   bench.redis, ShardState(bench.redis, shards),
                   replace(settings, **{SETTINGS[setting]: value})))
               for value in values}

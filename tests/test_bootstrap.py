@@ -83,3 +83,59 @@ def test_a_device_naming_cores_the_machine_lacks_stops_the_worker_with_a_clear_e
         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
     assert started.returncode != 0
     assert "--device '4090-4091' names cores this machine does not offer" in started.stderr
+
+
+_REPORT_PRIORITIES = """
+import multiprocessing, os
+from pathlib import Path
+from workers.bootstrap import yield_to_helpers
+
+def child(queue):
+    queue.put(os.getpriority(os.PRIO_PROCESS, 0))
+
+if __name__ == "__main__":
+    yield_to_helpers(7)
+    queue = multiprocessing.get_context("spawn").Queue()
+    process = multiprocessing.get_context("spawn").Process(target=child, args=(queue,))
+    process.start()
+    print(os.getpriority(os.PRIO_PROCESS, 0), queue.get(timeout=60))
+    process.join()
+    autogroup = Path("/proc/self/autogroup")
+    print(autogroup.read_text().strip() if autogroup.exists() else "-")
+"""
+
+
+def _report_priorities(tmp_path: Path, own_session: bool) -> list[str]:
+    script = tmp_path / "report_priorities.py"
+    script.write_text(_REPORT_PRIORITIES)
+    reported = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).parents[1],
+                              capture_output=True, text=True, timeout=120, check=True,
+                              start_new_session=own_session)
+    return reported.stdout.splitlines()
+
+
+def _autogroups_enabled() -> bool:
+    switch = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    return switch.exists() and switch.read_text().strip() == "1"
+
+
+def test_a_worker_leading_its_session_yields_the_cpu_with_everything_it_starts(
+        tmp_path: Path) -> None:
+    # As `jobsvc`'s launcher starts workers: the worker and the processes it spawns (vLLM's)
+    # run at the lower priority, and so does its session where sessions are scheduled apart.
+    priorities, autogroup = _report_priorities(tmp_path, own_session=True)
+    assert priorities == "7 7"
+    if _autogroups_enabled():
+        assert autogroup.endswith("nice 7")
+
+
+def test_a_worker_started_inside_another_session_leaves_that_session_alone(
+        tmp_path: Path) -> None:
+    # As from a terminal: the worker's own priority drops, its caller's session keeps its own.
+    own_autogroup = Path("/proc/self/autogroup")
+    before = own_autogroup.read_text() if own_autogroup.exists() else None
+    priorities, autogroup = _report_priorities(tmp_path, own_session=False)
+    assert priorities == "7 7"
+    if before is not None:
+        assert own_autogroup.read_text() == before
+        assert autogroup == before.strip()

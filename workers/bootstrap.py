@@ -4,6 +4,7 @@ Celery's prefork children, being daemonic, may not do.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,13 @@ from pathlib import Path
 from jobsvc.errors import ConfigurationError
 from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Where the kernel says whether it schedules each session as one group (autogroups), and
+# where a session's group takes its priority.
+_AUTOGROUPS_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
+_OWN_AUTOGROUP = Path("/proc/self/autogroup")
 
 
 def is_cpu_build() -> bool:
@@ -88,9 +96,39 @@ def kept_to_device(device: str | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def yield_to_helpers(nice: int) -> None:
+    """Lower the CPU priority of this worker and of every thread and process it starts from
+    now on (vLLM's among them) to `nice`, so that the database and the broker, which need
+    little CPU but need it at once, do not queue behind an engine that busy-waits between
+    steps. Where the kernel schedules each session as one group (autogroups), priorities weigh
+    only within a session, so a worker that leads its own session (as `jobsvc`'s launcher
+    starts workers) lowers that session too; a worker started from a terminal leaves the
+    terminal's session alone."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError as error:
+        log.warning("could not lower the worker's CPU priority to nice %d: %s", nice, error)
+    if os.getsid(0) != os.getpid() or not _autogroups_enabled():
+        return
+    try:
+        _OWN_AUTOGROUP.write_text(str(nice))
+    except OSError as error:
+        log.warning("could not lower the worker's session to nice %d: %s", nice, error)
+
+
+def _autogroups_enabled() -> bool:
+    try:
+        return _AUTOGROUPS_SWITCH.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     bind_device(settings, device)
     keep_to_device(device)
+    yield_to_helpers(settings.worker_nice)
     from workers.celery_app import create_worker_app, worker_name
 
     app = create_worker_app(settings, shard)

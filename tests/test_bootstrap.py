@@ -1,4 +1,5 @@
-"""A worker bound to CPU cores keeps its whole process tree on them."""
+"""A worker keeps its whole process tree on its cores, and below the database and the broker
+in CPU priority."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobsvc.errors import ConfigurationError
-from workers.bootstrap import cpu_cores
+from workers.bootstrap import autogroups_enabled, cpu_cores
 
 _REPORT_AFFINITIES = """
 import multiprocessing, os, sys, threading
@@ -114,18 +115,13 @@ def _report_priorities(tmp_path: Path, own_session: bool) -> list[str]:
     return reported.stdout.splitlines()
 
 
-def _autogroups_enabled() -> bool:
-    switch = Path("/proc/sys/kernel/sched_autogroup_enabled")
-    return switch.exists() and switch.read_text().strip() == "1"
-
-
 def test_a_worker_leading_its_session_yields_the_cpu_with_everything_it_starts(
         tmp_path: Path) -> None:
     # As `jobsvc`'s launcher starts workers: the worker and the processes it spawns (vLLM's)
     # run at the lower priority, and so does its session where sessions are scheduled apart.
     priorities, autogroup = _report_priorities(tmp_path, own_session=True)
     assert priorities == "7 7"
-    if _autogroups_enabled():
+    if autogroups_enabled():
         assert autogroup.endswith("nice 7")
 
 

@@ -110,7 +110,7 @@ def yield_to_helpers(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
     except OSError as error:
         log.warning("could not lower the worker's CPU priority to nice %d: %s", nice, error)
-    if os.getsid(0) != os.getpid() or not _autogroups_enabled():
+    if os.getsid(0) != os.getpid() or not autogroups_enabled():
         return
     try:
         _OWN_AUTOGROUP.write_text(str(nice))
@@ -118,7 +118,8 @@ def yield_to_helpers(nice: int) -> None:
         log.warning("could not lower the worker's session to nice %d: %s", nice, error)
 
 
-def _autogroups_enabled() -> bool:
+def autogroups_enabled() -> bool:
+    """Whether the kernel schedules each session as one group."""
     try:
         return _AUTOGROUPS_SWITCH.read_text().strip() == "1"
     except OSError:

@@ -31,6 +31,7 @@ from jobsvc.measure import (
     ArmResult,
     Pair,
     ideal_hit_rate,
+    mean_shard_seconds,
     milliseconds,
     outside_engine_ms_per_job_by_role,
     parity_checks,
@@ -462,14 +463,15 @@ class Bench:
                              for r, planned in zip(records, shape.shard_of_job, strict=True))
             if mismatched:
                 log.warning("%d jobs routed differently from the standalone plan", mismatched)
-        last_engine_finish = max(_timestamp(r.finished_at) for r in records)
+        shard_finishes = [(r.shard, _timestamp(r.finished_at)) for r in records]
+        admitted = self.first_admission()
         return ArmResult(len(ids), finished - started,
                          sum(r.completion_tokens or 0 for r in records), cpu_by_role, steal,
-                         head_seconds=self.first_admission() - started,
-                         tail_seconds=max(0.0, finished - last_engine_finish),
+                         head_seconds=admitted - started,
+                         tail_seconds=max(0.0, finished - max(end for _, end in shard_finishes)),
                          runner_wait_seconds=runner_wait, machine_cpu_seconds=machine,
-                         shard_finish_spread_seconds=shard_finish_spread_seconds(
-                             (r.shard, _timestamp(r.finished_at)) for r in records),
+                         shard_finish_spread_seconds=shard_finish_spread_seconds(shard_finishes),
+                         mean_shard_seconds=mean_shard_seconds(shard_finishes, admitted),
                          **steps)
 
     def first_admission(self) -> float:
@@ -516,6 +518,8 @@ class Bench:
                          machine_cpu_seconds=machine,
                          shard_finish_spread_seconds=shard_finish_spread_seconds(
                              enumerate(run.engines_finished)),
+                         mean_shard_seconds=mean_shard_seconds(
+                             enumerate(run.engines_finished), run.admitted),
                          **steps)
 
 
@@ -727,6 +731,7 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "order": "service-first" if pair.service_first else "standalone-first",
         "ratio": pair.ratio,
         "body_ratio": pair.body_ratio,
+        "shard_ratio": pair.shard_ratio,
         "standalone_rps": pair.standalone.requests_per_second,
         "service_rps": pair.service.requests_per_second,
         "standalone_tokens_per_s": pair.standalone.tokens_per_second,

@@ -125,13 +125,26 @@ def schedstat_wait_ns(schedstat: str) -> int:
     return int(fields[1])
 
 
-def shard_finish_spread_seconds(finishes: Iterable[tuple[int, float]]) -> float:
-    """From the first shard's last finish to the last shard's, given (shard, finish) of every
-    job or engine: while it lasts, the cores of the shards already done have nothing to run."""
+def _last_finish_by_shard(finishes: Iterable[tuple[int, float]]) -> dict[int, float]:
     last: dict[int, float] = {}
     for shard, finished in finishes:
         last[shard] = max(finished, last.get(shard, finished))
+    return last
+
+
+def shard_finish_spread_seconds(finishes: Iterable[tuple[int, float]]) -> float:
+    """From the first shard's last finish to the last shard's, given (shard, finish) of every
+    job or engine: while it lasts, the cores of the shards already done have nothing to run."""
+    last = _last_finish_by_shard(finishes)
     return max(last.values()) - min(last.values())
+
+
+def mean_shard_seconds(finishes: Iterable[tuple[int, float]], admitted: float) -> float:
+    """How long the shards ran on average, from the arm's first job handed to an engine to
+    each shard's last finish, given (shard, finish) of every job or engine: the engines' pace
+    apart from the head, the tail, and how far apart the shards finish."""
+    last = _last_finish_by_shard(finishes)
+    return sum(finished - admitted for finished in last.values()) / len(last)
 
 
 def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
@@ -171,6 +184,8 @@ class ArmResult:
     engine_step_tokens: float | None = None
     # `shard_finish_spread_seconds` of the arm's burst; None where it could not be read.
     shard_finish_spread_seconds: float | None = None
+    # `mean_shard_seconds` of the arm's burst; None where it could not be read.
+    mean_shard_seconds: float | None = None
 
     @property
     def cpu_seconds(self) -> float:
@@ -227,6 +242,17 @@ class Pair:
         work, apart from how soon they got it."""
         return ((self.standalone.seconds - self.standalone.head_seconds)
                 / (self.service.seconds - self.service.head_seconds))
+
+    @property
+    def shard_ratio(self) -> float | None:
+        """The standalone arm's mean shard time over the service's (`mean_shard_seconds`):
+        how fast the engines ran once they had work, shard by shard, apart from the heads,
+        the service's tail and which shard happened to finish last. None where an arm lacks
+        it."""
+        standalone, service = self.standalone.mean_shard_seconds, self.service.mean_shard_seconds
+        if standalone is None or service is None:
+            return None
+        return standalone / service
 
 
 def ratio_summary(ratios: Sequence[float]) -> dict[str, Any]:
@@ -323,6 +349,7 @@ def summarize_pairs(pairs: Sequence[Pair]
             (pair.service.head_seconds - pair.standalone.head_seconds) / pair.service.seconds
             for pair in pairs]),
         "body_ratio": median([pair.body_ratio for pair in pairs]),
+        "shard_ratio": _median_or_none([pair.shard_ratio for pair in pairs]),
         # The median time per burst the engines' model-running threads waited for a core, each
         # arm: the service's extra is what its own processes took from the engines.
         "runner_wait_ms": {arm: median([getattr(pair, arm).runner_wait_seconds * 1000
@@ -349,14 +376,16 @@ def milliseconds(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    """The median of an optional figure; None where a pair lacks it."""
+    present = [value for value in values if value is not None]
+    return median(present) if len(present) == len(values) else None
+
+
 def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
     """Each arm's median of an optional figure; None for an arm where a pair lacks it."""
-    medians: dict[str, float | None] = {}
-    for arm in ("standalone", "service"):
-        values = [getattr(getattr(pair, arm), figure) for pair in pairs]
-        present = [value for value in values if value is not None]
-        medians[arm] = median(present) if len(present) == len(values) else None
-    return medians
+    return {arm: _median_or_none([getattr(getattr(pair, arm), figure) for pair in pairs])
+            for arm in ("standalone", "service")}
 
 
 def _unaccounted_ms_per_job(pairs: Sequence[Pair], arm: str) -> float | None:

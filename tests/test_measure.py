@@ -29,6 +29,7 @@ from jobsvc.measure import (
     chance_to_clear,
     cpu_seconds_by_role,
     ideal_hit_rate,
+    mean_shard_seconds,
     median,
     median_interval,
     outside_engine_ms_per_job_by_role,
@@ -260,6 +261,28 @@ def test_shard_finish_spread_runs_from_the_first_shards_last_job_to_the_last_sha
     pairs[0] = Pair(pairs[0].standalone, replace(pairs[0].service,
                                                  shard_finish_spread_seconds=None), False)
     assert summarize_pairs(pairs)["shard_finish_spread_ms"]["service"] is None
+
+
+def test_mean_shard_time_runs_from_the_first_admission_to_each_shards_last_job() -> None:
+    # Admitted at 2.0; shard 0's last job ends at 14.0, shard 1's at 11.5: 12 s and 9.5 s.
+    jobs = [(0, 10.0), (1, 11.5), (0, 14.0), (1, 9.0), (0, 12.0)]
+    assert mean_shard_seconds(jobs, admitted=2.0) == pytest.approx(10.75)
+    assert mean_shard_seconds(reversed(jobs), admitted=2.0) == pytest.approx(10.75)
+    assert mean_shard_seconds([(0, 3.0), (0, 7.0)], admitted=1.0) == pytest.approx(6.0)
+
+
+def test_shard_ratio_is_the_standalone_mean_shard_time_over_the_services() -> None:
+    # The service's shards run 2 % longer in every pair, whatever the bursts' spreads.
+    pairs = [Pair(replace(_arm(100, 10.0, 20.0), mean_shard_seconds=seconds),
+                  replace(_arm(100, 10.3, 20.0), mean_shard_seconds=seconds * 1.02), False)
+             for seconds in (9.0, 9.5, 8.7)]
+    assert [pair.shard_ratio for pair in pairs] == pytest.approx([1 / 1.02] * 3)
+    assert summarize_pairs(pairs)["shard_ratio"] == pytest.approx(1 / 1.02)
+    # A pair whose arm could not read it leaves the median out rather than guessing.
+    pairs[1] = Pair(replace(pairs[1].standalone, mean_shard_seconds=None), pairs[1].service,
+                    True)
+    assert pairs[1].shard_ratio is None
+    assert summarize_pairs(pairs)["shard_ratio"] is None
 
 
 def test_ideal_hit_rate_counts_full_blocks_of_repeated_documents() -> None:

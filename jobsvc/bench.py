@@ -28,6 +28,7 @@ from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers, shard_devices
 from jobsvc.measure import (
+    DISTURBED_SHARE,
     ArmResult,
     Pair,
     ideal_hit_rate,
@@ -629,7 +630,9 @@ def _run_pairs(bench: Bench, client: Client, modes: Sequence[str]) -> dict[str, 
                  f"{standalone.cpu_seconds_per_job:.4f}, outside the engine "
                  f"{service.outside_engine_cpu_seconds_per_job:.4f} vs "
                  f"{standalone.outside_engine_cpu_seconds_per_job:.4f}; stolen by the "
-                 f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s")
+                 f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s"
+                 + (f"; disturbed: processes outside an arm took over {DISTURBED_SHARE:.0%} of "
+                    "the machine's CPU" if pair.disturbed else ""))
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 
@@ -750,6 +753,7 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "service_steal_s": pair.service.steal_seconds,
         "standalone_unaccounted_cpu_s": pair.standalone.unaccounted_cpu_seconds,
         "service_unaccounted_cpu_s": pair.service.unaccounted_cpu_seconds,
+        "disturbed": pair.disturbed,
         "standalone_head_ms": pair.standalone.head_seconds * 1000,
         "service_head_ms": pair.service.head_seconds * 1000,
         "service_tail_ms": pair.service.tail_seconds * 1000,

@@ -153,6 +153,13 @@ def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
     return sum(wait - before.get(thread, 0) for thread, wait in after.items()) / 1e9
 
 
+# An arm is disturbed when processes outside it took more than this share of the machine's
+# CPU while it ran: its time then says more about them than about the arm. Over 400 bursts of
+# both arms on one host the share was 0.4-2.9 %; one burst beside another program's start-up,
+# which took about 8 CPU-s, left 26 %.
+DISTURBED_SHARE = 0.10
+
+
 @dataclass(frozen=True)
 class ArmResult:
     """One arm of one trial."""
@@ -209,6 +216,14 @@ class ArmResult:
         return self.machine_cpu_seconds - self.cpu_seconds
 
     @property
+    def disturbed(self) -> bool:
+        """True when the machine's CPU outside the arm's processes exceeded DISTURBED_SHARE
+        of all its CPU while the arm ran (False where the machine's CPU was not read)."""
+        unaccounted = self.unaccounted_cpu_seconds
+        return (unaccounted is not None and self.machine_cpu_seconds is not None
+                and unaccounted > DISTURBED_SHARE * self.machine_cpu_seconds)
+
+    @property
     def requests_per_second(self) -> float:
         return self.jobs / self.seconds
 
@@ -253,6 +268,11 @@ class Pair:
         if standalone is None or service is None:
             return None
         return standalone / service
+
+    @property
+    def disturbed(self) -> bool:
+        """Either arm disturbed: the pair's ratio may be the disturbance's, not the service's."""
+        return self.standalone.disturbed or self.service.disturbed
 
 
 def ratio_summary(ratios: Sequence[float]) -> dict[str, Any]:
@@ -340,6 +360,9 @@ def summarize_pairs(pairs: Sequence[Pair]
         # The machine's CPU outside each arm's processes, in ms per job.
         "unaccounted_cpu_ms_per_job": {arm: _unaccounted_ms_per_job(pairs, arm)
                                        for arm in ("standalone", "service")},
+        # The pairs (numbered from 1, as the bench's log numbers them) with a disturbed arm:
+        # the figures above include them, and a reader can weigh them.
+        "disturbed_pairs": [number for number, pair in enumerate(pairs, 1) if pair.disturbed],
         # The median head of each arm's bursts; the service's extra head as a share of its
         # burst (the engines idle for that long while the burst is already timed) and the
         # ratio without the heads, each a median over pairs.

@@ -211,6 +211,20 @@ def test_the_machines_cpu_is_its_busy_time_and_what_no_process_of_an_arm_spent()
         "standalone": None, "service": pytest.approx(11.0)}
 
 
+def test_a_pair_is_disturbed_when_processes_outside_an_arm_took_a_tenth_of_the_cpu() -> None:
+    # Each arm's processes spent 20 s; the machine's others 0.5, 3 (13 %) and 2 s (9 %).
+    calm = replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=20.5)
+    busy = replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=23.0)
+    near = replace(_arm(100, 10.0, 20.0), machine_cpu_seconds=22.0)
+    assert busy.disturbed
+    assert not calm.disturbed and not near.disturbed
+    assert not _arm(100, 10.0, 20.0).disturbed  # the machine's CPU was not read
+    pairs = [Pair(calm, calm, False), Pair(busy, calm, True), Pair(calm, busy, False),
+             Pair(near, calm, True)]
+    assert [pair.disturbed for pair in pairs] == [False, True, True, False]
+    assert summarize_pairs(pairs)["disturbed_pairs"] == [2, 3]
+
+
 def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_burst() -> None:
     def headed(seconds: float, head: float) -> ArmResult:
         return replace(_arm(100, seconds, 20.0), head_seconds=head)

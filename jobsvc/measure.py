@@ -219,9 +219,8 @@ class ArmResult:
     def disturbed(self) -> bool:
         """True when the machine's CPU outside the arm's processes exceeded DISTURBED_SHARE
         of all its CPU while the arm ran (False where the machine's CPU was not read)."""
-        unaccounted = self.unaccounted_cpu_seconds
-        return (unaccounted is not None and self.machine_cpu_seconds is not None
-                and unaccounted > DISTURBED_SHARE * self.machine_cpu_seconds)
+        machine = self.machine_cpu_seconds
+        return machine is not None and machine - self.cpu_seconds > DISTURBED_SHARE * machine
 
     @property
     def requests_per_second(self) -> float:

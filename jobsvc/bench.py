@@ -43,6 +43,7 @@ from jobsvc.measure import (
 )
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.processes import (
+    FOREIGN_CPU,
     MACHINE_CPU,
     RUNNER_WAIT,
     STEAL,
@@ -444,6 +445,7 @@ class Bench:
                        for role in samples[-1][1]}
         steal = cpu_by_role.pop(STEAL)
         machine = cpu_by_role.pop(MACHINE_CPU, None)
+        foreign = cpu_by_role.pop(FOREIGN_CPU, 0.0)
         runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if totals is not None:
             totals.bytes_enqueued.append(bytes_after - bytes_before)
@@ -471,6 +473,7 @@ class Bench:
                          head_seconds=admitted - started,
                          tail_seconds=max(0.0, finished - max(end for _, end in shard_finishes)),
                          runner_wait_seconds=runner_wait, machine_cpu_seconds=machine,
+                         foreign_cpu_seconds=foreign,
                          shard_finish_spread_seconds=shard_finish_spread_seconds(shard_finishes),
                          mean_shard_seconds=mean_shard_seconds(shard_finishes, admitted),
                          **steps)
@@ -508,6 +511,7 @@ class Bench:
         steps = _steps_between(steps_before, self.engine_step_totals(on_workers))
         steal = cpu_by_role.pop(STEAL)
         machine = cpu_by_role.pop(MACHINE_CPU, None)
+        foreign = cpu_by_role.pop(FOREIGN_CPU, 0.0)
         runner_wait = cpu_by_role.pop(RUNNER_WAIT)
         if record:
             self.totals.standalone_prompt_tokens += run.prompt_tokens
@@ -516,7 +520,7 @@ class Bench:
                 self.totals.standalone_gc.add(self.ask_workers("take_gc_pauses", timeout=5))
         return ArmResult(len(jobs), run.seconds, run.output_tokens, cpu_by_role, steal,
                          head_seconds=run.head_seconds, runner_wait_seconds=runner_wait,
-                         machine_cpu_seconds=machine,
+                         machine_cpu_seconds=machine, foreign_cpu_seconds=foreign,
                          shard_finish_spread_seconds=shard_finish_spread_seconds(
                              enumerate(run.engines_finished)),
                          mean_shard_seconds=mean_shard_seconds(
@@ -631,8 +635,8 @@ def _run_pairs(bench: Bench, client: Client, modes: Sequence[str]) -> dict[str, 
                  f"{service.outside_engine_cpu_seconds_per_job:.4f} vs "
                  f"{standalone.outside_engine_cpu_seconds_per_job:.4f}; stolen by the "
                  f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s"
-                 + (f"; disturbed: processes outside an arm took over {DISTURBED_SHARE:.0%} of "
-                    "the machine's CPU" if pair.disturbed else ""))
+                 + (f"; disturbed: other programs took over {DISTURBED_SHARE:.0%} of the "
+                    "machine's CPU during an arm" if pair.disturbed else ""))
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 
@@ -753,6 +757,8 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "service_steal_s": pair.service.steal_seconds,
         "standalone_unaccounted_cpu_s": pair.standalone.unaccounted_cpu_seconds,
         "service_unaccounted_cpu_s": pair.service.unaccounted_cpu_seconds,
+        "standalone_foreign_cpu_s": pair.standalone.foreign_cpu_seconds,
+        "service_foreign_cpu_s": pair.service.foreign_cpu_seconds,
         "disturbed": pair.disturbed,
         "standalone_head_ms": pair.standalone.head_seconds * 1000,
         "service_head_ms": pair.service.head_seconds * 1000,

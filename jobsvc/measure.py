@@ -153,11 +153,11 @@ def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
     return sum(wait - before.get(thread, 0) for thread, wait in after.items()) / 1e9
 
 
-# An arm is disturbed when processes outside it took more than this share of the machine's
-# CPU while it ran: its time then says more about them than about the arm. Over 400 bursts of
-# both arms on one host the share was 0.4-2.9 %; one burst beside another program's start-up,
-# which took about 8 CPU-s, left 26 %.
-DISTURBED_SHARE = 0.10
+# An arm is disturbed when other programs on the machine took more than this share of its CPU
+# while the arm ran: its time then says more about them than about the arm. On one host the
+# machine's daemons took 0.1-1.4 % of a burst's CPU (a message broker's periodic disk check
+# the most), another program beside a burst 8 %.
+DISTURBED_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,9 @@ class ArmResult:
     # CPU time the whole machine spent while the arm ran (`busy_seconds`); None where it
     # could not be read.
     machine_cpu_seconds: float | None = None
+    # CPU time the other programs on the machine took while the arm ran (processes outside
+    # both arms, the servers and the kernel); None where it could not be read.
+    foreign_cpu_seconds: float | None = None
     # From the arm's start to its first job handed to an engine: the burst's head, when the
     # engines wait for tokenizing (both arms) and for recording, publishing and claiming
     # (the service only).
@@ -217,10 +220,10 @@ class ArmResult:
 
     @property
     def disturbed(self) -> bool:
-        """True when the machine's CPU outside the arm's processes exceeded DISTURBED_SHARE
-        of all its CPU while the arm ran (False where the machine's CPU was not read)."""
-        machine = self.machine_cpu_seconds
-        return machine is not None and machine - self.cpu_seconds > DISTURBED_SHARE * machine
+        """True when other programs took more than DISTURBED_SHARE of the machine's CPU while
+        the arm ran (False where either was not read)."""
+        machine, foreign = self.machine_cpu_seconds, self.foreign_cpu_seconds
+        return machine is not None and foreign is not None and foreign > DISTURBED_SHARE * machine
 
     @property
     def requests_per_second(self) -> float:
@@ -356,9 +359,10 @@ def summarize_pairs(pairs: Sequence[Pair]
         # neither arm's CPU accounting sees.
         "standalone_steal_seconds_per_job": _per_job(pairs, "standalone", "steal_seconds"),
         "service_steal_seconds_per_job": _per_job(pairs, "service", "steal_seconds"),
-        # The machine's CPU outside each arm's processes, in ms per job.
-        "unaccounted_cpu_ms_per_job": {arm: _unaccounted_ms_per_job(pairs, arm)
-                                       for arm in ("standalone", "service")},
+        # The machine's CPU outside each arm's processes, and the part of it other programs
+        # took, in ms per job.
+        "unaccounted_cpu_ms_per_job": _arm_ms_per_job(pairs, "unaccounted_cpu_seconds"),
+        "foreign_cpu_ms_per_job": _arm_ms_per_job(pairs, "foreign_cpu_seconds"),
         # The pairs (numbered from 1, as the bench's log numbers them) with a disturbed arm:
         # the figures above include them, and a reader can weigh them.
         "disturbed_pairs": [number for number, pair in enumerate(pairs, 1) if pair.disturbed],
@@ -410,12 +414,12 @@ def _arm_medians(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
             for arm in ("standalone", "service")}
 
 
-def _unaccounted_ms_per_job(pairs: Sequence[Pair], arm: str) -> float | None:
-    """An arm's unaccounted CPU in milliseconds per job over all pairs; None where a pair
-    lacks it."""
-    if any(getattr(pair, arm).unaccounted_cpu_seconds is None for pair in pairs):
-        return None
-    return _per_job(pairs, arm, "unaccounted_cpu_seconds") * 1000
+def _arm_ms_per_job(pairs: Sequence[Pair], figure: str) -> dict[str, float | None]:
+    """Each arm's optional CPU figure in milliseconds per job over all pairs; None for an arm
+    where a pair lacks it."""
+    return {arm: None if any(getattr(getattr(pair, arm), figure) is None for pair in pairs)
+            else _per_job(pairs, arm, figure) * 1000
+            for arm in ("standalone", "service")}
 
 
 def _by_role(pairs: Sequence[Pair], arm: str) -> dict[str, float]:

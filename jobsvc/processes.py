@@ -30,8 +30,12 @@ MODEL_RUNNER_PREFIX = "VLLM::Worker"
 # idle threads go on spinning, and waiting, after an arm's last job.
 STEAL = "steal"
 RUNNER_WAIT = "runner wait"
-# And the key under which it carries the CPU time of the whole machine.
+# And the keys under which it carries the CPU time of the whole machine, and of the other
+# programs on it (`foreign_cpu_now`).
 MACHINE_CPU = "machine cpu"
+FOREIGN_CPU = "foreign cpu"
+# The parent of the kernel's own threads on Linux (kthreadd).
+_KERNEL_THREADS_PARENT = 2
 
 Member = tuple[psutil.Process, str]
 
@@ -76,14 +80,38 @@ class Usage:
         self._cpu = _cpu_seconds(processes)
         self._waits = _waits(self._runners)
         self._machine = _machine_now()
+        self._foreign = foreign_cpu_now()
 
     def since_start(self) -> dict[str, float]:
-        """CPU seconds by role, with the steal under STEAL, the runner wait under RUNNER_WAIT
-        and the whole machine's CPU under MACHINE_CPU (all in seconds)."""
+        """CPU seconds by role, with the steal under STEAL, the runner wait under RUNNER_WAIT,
+        the whole machine's CPU under MACHINE_CPU and other programs' under FOREIGN_CPU (all
+        in seconds)."""
         used = cpu_seconds_by_role(self._cpu, _cpu_seconds(self._processes))
         used.update({key: now - self._machine[key] for key, now in _machine_now().items()})
         used[RUNNER_WAIT] = wait_seconds(self._waits, _waits(self._runners))
+        used.update(cpu_seconds_by_role(self._foreign, foreign_cpu_now()))
         return used
+
+
+def foreign_cpu_now() -> dict[ProcessKey, float]:
+    """Cumulative CPU seconds of the other programs on the machine, keyed by PID under the
+    role FOREIGN_CPU: every process but this one's tree (the bench, the workers it started
+    and their engines), Redis's and PostgreSQL's, and the kernel's threads. Each
+    counts the children it has reaped, so that a program that started and exited between
+    two readings (a monitor's probe, say) shows in its parent."""
+    own = {psutil.Process().pid, *(child.pid for child in psutil.Process().children(
+        recursive=True))}
+    times: dict[ProcessKey, float] = {}
+    for process in psutil.process_iter(["name", "ppid", "cpu_times"]):
+        info = process.info
+        if (process.pid in own or info["name"] in SERVER_ROLES or info["cpu_times"] is None
+                or _KERNEL_THREADS_PARENT in (process.pid, info["ppid"])):
+            continue
+        cpu = info["cpu_times"]
+        times[process.pid, FOREIGN_CPU] = (cpu.user + cpu.system
+                                           + getattr(cpu, "children_user", 0.0)
+                                           + getattr(cpu, "children_system", 0.0))
+    return times
 
 
 def _machine_now() -> dict[str, float]:

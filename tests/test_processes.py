@@ -1,5 +1,6 @@
 """The bench's process accounting against real processes: this one, a child named like vLLM's
-model runner, and the machine's Redis and PostgreSQL servers."""
+model runner, a program outside this process's tree, and the machine's Redis and PostgreSQL
+servers."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from jobsvc.measure import ENGINE_ROLE
+from jobsvc.measure import ENGINE_ROLE, cpu_seconds_by_role
 from jobsvc.processes import (
+    FOREIGN_CPU,
     MACHINE_CPU,
     RUNNER_WAIT,
     STEAL,
     Usage,
+    foreign_cpu_now,
     server_processes,
     with_roles,
 )
@@ -69,7 +72,7 @@ def test_usage_splits_cpu_by_role(runner_like_child: psutil.Process) -> None:
     assert used[RUNNER_WAIT] >= 0.1
     # The machine was busy at least as long as these processes ran (to a clock tick each).
     assert used[MACHINE_CPU] >= used["producer"] + used[ENGINE_ROLE] - 0.03
-    assert set(used) == {"producer", ENGINE_ROLE, STEAL, RUNNER_WAIT, MACHINE_CPU}
+    assert set(used) == {"producer", ENGINE_ROLE, STEAL, RUNNER_WAIT, MACHINE_CPU, FOREIGN_CPU}
 
 
 def test_usage_without_engine_has_no_runner_wait() -> None:
@@ -82,3 +85,38 @@ def test_the_running_servers_are_found() -> None:
     servers = server_processes()
     assert set(servers) == {"redis", "postgres"}
     assert servers["redis"] and servers["postgres"]
+
+
+# A program that spins for 0.3 s of CPU, then idles until stopped (at most a minute).
+_BURNER = ("import time\n"
+           "until = time.process_time() + 0.3\n"
+           "while time.process_time() < until:\n"
+           "    pass\n"
+           "time.sleep(60)\n")
+
+
+@pytest.fixture
+def other_program() -> Iterator[psutil.Process]:
+    """A burner outside this process's tree: a shell starts it in the background and exits,
+    so it is orphaned and adopted elsewhere, as another program on the machine would be."""
+    shell = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" >/dev/null 2>&1 & echo $!',
+                            _BURNER], capture_output=True, text=True, check=True)
+    process = psutil.Process(int(shell.stdout))
+    yield process
+    process.kill()
+
+
+def test_other_programs_cpu_is_counted_and_this_tree_and_the_servers_are_not(
+        runner_like_child: psutil.Process, other_program: psutil.Process) -> None:
+    before = foreign_cpu_now()
+    deadline = time.monotonic() + 10
+    while sum(other_program.cpu_times()[:2]) < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = foreign_cpu_now()
+    counted = {pid for pid, _ in after}
+    assert other_program.pid in counted
+    assert not counted & {psutil.Process().pid, runner_like_child.pid}
+    assert not counted & {process.pid for processes in server_processes().values()
+                          for process in processes}
+    # The burner started after the first reading: all of its CPU counts (to a clock tick).
+    assert cpu_seconds_by_role(before, after)[FOREIGN_CPU] >= 0.29

@@ -175,7 +175,8 @@ class ArmResult:
     # could not be read.
     machine_cpu_seconds: float | None = None
     # CPU time the other programs on the machine took while the arm ran (processes outside
-    # both arms, the servers and the kernel); None where it could not be read.
+    # both arms, the servers and the kernel), as read; None where it could not be read.
+    # `bounded_foreign_cpu_seconds` is what the reports use.
     foreign_cpu_seconds: float | None = None
     # From the arm's start to its first job handed to an engine: the burst's head, when the
     # engines wait for tokenizing (both arms) and for recording, publishing and claiming
@@ -219,10 +220,20 @@ class ArmResult:
         return self.machine_cpu_seconds - self.cpu_seconds
 
     @property
+    def bounded_foreign_cpu_seconds(self) -> float | None:
+        """Other programs' CPU, at most the unaccounted CPU: a program that reaps a child adds
+        the child's whole life at once, but none of them can have spent more of the arm's
+        time than the machine spent outside the arm's processes."""
+        foreign, unaccounted = self.foreign_cpu_seconds, self.unaccounted_cpu_seconds
+        if foreign is None or unaccounted is None:
+            return foreign
+        return max(0.0, min(foreign, unaccounted))
+
+    @property
     def disturbed(self) -> bool:
         """True when other programs took more than DISTURBED_SHARE of the machine's CPU while
         the arm ran (False where either was not read)."""
-        machine, foreign = self.machine_cpu_seconds, self.foreign_cpu_seconds
+        machine, foreign = self.machine_cpu_seconds, self.bounded_foreign_cpu_seconds
         return machine is not None and foreign is not None and foreign > DISTURBED_SHARE * machine
 
     @property
@@ -362,7 +373,7 @@ def summarize_pairs(pairs: Sequence[Pair]
         # The machine's CPU outside each arm's processes, and the part of it other programs
         # took, in ms per job.
         "unaccounted_cpu_ms_per_job": _arm_ms_per_job(pairs, "unaccounted_cpu_seconds"),
-        "foreign_cpu_ms_per_job": _arm_ms_per_job(pairs, "foreign_cpu_seconds"),
+        "foreign_cpu_ms_per_job": _arm_ms_per_job(pairs, "bounded_foreign_cpu_seconds"),
         # The pairs (numbered from 1, as the bench's log numbers them) with a disturbed arm:
         # the figures above include them, and a reader can weigh them.
         "disturbed_pairs": [number for number, pair in enumerate(pairs, 1) if pair.disturbed],

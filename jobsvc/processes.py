@@ -96,11 +96,14 @@ class Usage:
 def foreign_cpu_now() -> dict[ProcessKey, float]:
     """Cumulative CPU seconds of the other programs on the machine, keyed by PID under the
     role FOREIGN_CPU: every process but this one's tree (the bench, the workers it started
-    and their engines), Redis's and PostgreSQL's, and the kernel's threads. Each
-    counts the children it has reaped, so that a program that started and exited between
-    two readings (a monitor's probe, say) shows in its parent."""
-    own = {psutil.Process().pid, *(child.pid for child in psutil.Process().children(
-        recursive=True))}
+    and their engines), Redis's and PostgreSQL's, and the kernel's threads. Each counts the
+    children it has reaped, so that a program that started and exited between two readings
+    (a monitor's probe, say) shows in its parent; but not this process's ancestors, whose
+    reaped children are the bench's own earlier runs. A child's whole life lands at once when
+    it is reaped, so a difference of two readings can overstate (ArmResult bounds it)."""
+    me = psutil.Process()
+    own = {me.pid, *(child.pid for child in me.children(recursive=True))}
+    ancestors = {parent.pid for parent in me.parents()}
     times: dict[ProcessKey, float] = {}
     for process in psutil.process_iter(["name", "ppid", "cpu_times"]):
         info = process.info
@@ -108,9 +111,9 @@ def foreign_cpu_now() -> dict[ProcessKey, float]:
                 or _KERNEL_THREADS_PARENT in (process.pid, info["ppid"])):
             continue
         cpu = info["cpu_times"]
-        times[process.pid, FOREIGN_CPU] = (cpu.user + cpu.system
-                                           + getattr(cpu, "children_user", 0.0)
-                                           + getattr(cpu, "children_system", 0.0))
+        reaped = 0.0 if process.pid in ancestors else (getattr(cpu, "children_user", 0.0)
+                                                       + getattr(cpu, "children_system", 0.0))
+        times[process.pid, FOREIGN_CPU] = cpu.user + cpu.system + reaped
     return times
 
 

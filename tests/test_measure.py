@@ -232,6 +232,12 @@ def test_a_pair_is_disturbed_when_other_programs_took_over_two_percent_of_the_cp
                                                  "service": pytest.approx(4.75)}
     unread = summarize_pairs([Pair(arm(None), calm, False)])["foreign_cpu_ms_per_job"]
     assert unread == {"standalone": None, "service": pytest.approx(3.0)}
+    # A parent that reaped a long-lived child read 800 s: no more than the 5 s the machine
+    # spent outside the arm's processes can be other programs'.
+    reaped = arm(800.0)
+    assert reaped.bounded_foreign_cpu_seconds == pytest.approx(5.0) and reaped.disturbed
+    assert replace(reaped, machine_cpu_seconds=None).bounded_foreign_cpu_seconds == 800.0
+    assert arm(None).bounded_foreign_cpu_seconds is None
 
 
 def test_heads_are_medians_per_arm_and_the_extra_head_a_share_of_the_service_burst() -> None:

@@ -120,3 +120,17 @@ def test_other_programs_cpu_is_counted_and_this_tree_and_the_servers_are_not(
                           for process in processes}
     # The burner started after the first reading: all of its CPU counts (to a clock tick).
     assert cpu_seconds_by_role(before, after)[FOREIGN_CPU] >= 0.29
+
+
+def test_the_benchs_ancestors_count_without_the_children_they_reaped() -> None:
+    # This process reaps a burner, then a probe run as its child reads the other programs:
+    # this process is the probe's ancestor, and its reaped children must not count.
+    subprocess.run([sys.executable, "-c", _BURNER.replace("time.sleep(60)", "")], check=True)
+    assert sum(psutil.Process().cpu_times()[2:4]) >= 0.28
+    probe = subprocess.run(
+        [sys.executable, "-c", "import os\nfrom jobsvc.processes import FOREIGN_CPU, "
+         "foreign_cpu_now\nprint(foreign_cpu_now()[os.getppid(), FOREIGN_CPU])"],
+        capture_output=True, text=True, check=True)
+    mine = psutil.Process().cpu_times()
+    # To a clock tick: its own CPU, none of the burner's.
+    assert float(probe.stdout) <= mine.user + mine.system + 0.02

@@ -102,10 +102,11 @@ def foreign_cpu_now() -> dict[ProcessKey, float]:
     reaped children are the bench's own earlier runs. A child's whole life lands at once when
     it is reaped, so a difference of two readings can overstate (ArmResult bounds it)."""
     me = psutil.Process()
-    own = {me.pid, *(child.pid for child in me.children(recursive=True))}
+    processes = list(psutil.process_iter(["name", "ppid", "cpu_times"]))
+    own = _tree(me.pid, {process.pid: process.info["ppid"] for process in processes})
     ancestors = {parent.pid for parent in me.parents()}
     times: dict[ProcessKey, float] = {}
-    for process in psutil.process_iter(["name", "ppid", "cpu_times"]):
+    for process in processes:
         info = process.info
         if (process.pid in own or info["name"] in SERVER_ROLES or info["cpu_times"] is None
                 or _KERNEL_THREADS_PARENT in (process.pid, info["ppid"])):
@@ -115,6 +116,20 @@ def foreign_cpu_now() -> dict[ProcessKey, float]:
                                                        + getattr(cpu, "children_system", 0.0))
         times[process.pid, FOREIGN_CPU] = cpu.user + cpu.system + reaped
     return times
+
+
+def _tree(root: int, parents: dict[int, int]) -> set[int]:
+    """`root` and its descendants, from one reading of every process's parent (a second walk
+    of the process table, as psutil's `children` makes, would cost as much again)."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree, pending = {root}, [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            tree.add(child)
+            pending.append(child)
+    return tree
 
 
 def _machine_now() -> dict[str, float]:

@@ -95,24 +95,25 @@ _BURNER = ("import time\n"
            "time.sleep(60)\n")
 
 
-@pytest.fixture
-def other_program() -> Iterator[psutil.Process]:
+def _start_other_program() -> psutil.Process:
     """A burner outside this process's tree: a shell starts it in the background and exits,
     so it is orphaned and adopted elsewhere, as another program on the machine would be."""
     shell = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" >/dev/null 2>&1 & echo $!',
                             _BURNER], capture_output=True, text=True, check=True)
-    process = psutil.Process(int(shell.stdout))
-    yield process
-    process.kill()
+    return psutil.Process(int(shell.stdout))
 
 
 def test_other_programs_cpu_is_counted_and_this_tree_and_the_servers_are_not(
-        runner_like_child: psutil.Process, other_program: psutil.Process) -> None:
+        runner_like_child: psutil.Process) -> None:
     before = foreign_cpu_now()
-    deadline = time.monotonic() + 10
-    while sum(other_program.cpu_times()[:2]) < 0.3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    after = foreign_cpu_now()
+    other_program = _start_other_program()
+    try:
+        deadline = time.monotonic() + 10
+        while sum(other_program.cpu_times()[:2]) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after = foreign_cpu_now()
+    finally:
+        other_program.kill()
     counted = {pid for pid, _ in after}
     assert other_program.pid in counted
     assert not counted & {psutil.Process().pid, runner_like_child.pid}

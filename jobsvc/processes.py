@@ -101,10 +101,10 @@ def foreign_cpu_now() -> dict[ProcessKey, float]:
     (a monitor's probe, say) shows in its parent; but not this process's ancestors, whose
     reaped children are the bench's own earlier runs. A child's whole life lands at once when
     it is reaped, so a difference of two readings can overstate (ArmResult bounds it)."""
-    me = psutil.Process()
+    me = os.getpid()
     processes = list(psutil.process_iter(["name", "ppid", "cpu_times"]))
-    own = _tree(me.pid, {process.pid: process.info["ppid"] for process in processes})
-    ancestors = {parent.pid for parent in me.parents()}
+    parents = {process.pid: process.info["ppid"] for process in processes}
+    own, ancestors = _tree(me, parents), _ancestors(me, parents)
     times: dict[ProcessKey, float] = {}
     for process in processes:
         info = process.info
@@ -130,6 +130,14 @@ def _tree(root: int, parents: dict[int, int]) -> set[int]:
             tree.add(child)
             pending.append(child)
     return tree
+
+
+def _ancestors(pid: int, parents: dict[int, int]) -> set[int]:
+    """`pid`'s parent, its parent's parent and so on, from the same reading as `_tree`."""
+    found: set[int] = set()
+    while (pid := parents.get(pid, 0)) and pid not in found:
+        found.add(pid)
+    return found
 
 
 def _machine_now() -> dict[str, float]:

@@ -23,11 +23,13 @@ from jobsvc.transport import make_celery
 
 POSTGRES_ADMIN_URL = os.environ.get("JOBSVC_TEST_POSTGRES_ADMIN_URL",
                                     "postgresql://postgres@127.0.0.1:5432/postgres")
-TEST_DATABASE = "jobsvc_test"
+# Overridable so that two test runs on one machine keep out of each other's way.
+TEST_DATABASE = os.environ.get("JOBSVC_TEST_DATABASE", "jobsvc_test")
 # The worker's Redis database, and a second one for routing tests that need shards no worker
 # consumes (their queues just fill up and are dropped).
 WORKER_REDIS_URL = os.environ.get("JOBSVC_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-ROUTING_REDIS_URL = WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14"
+ROUTING_REDIS_URL = os.environ.get("JOBSVC_TEST_ROUTING_REDIS_URL",
+                                   WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14")
 # Rows of the fault tests' table: one per scenario, printed after the run.
 FAULT_TABLE: list[dict[str, object]] = []
 

@@ -19,7 +19,7 @@ from jobsvc.compression import compress, pack_tokens
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
-from tests.conftest import record_queued_job, recreate_database
+from tests.conftest import TEST_DATABASE, record_queued_job, recreate_database
 
 
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
@@ -174,7 +174,7 @@ def _record_lost_jobs(repository: Store, frames: dict[str, bytes]) -> dict[str, 
 def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_are_requeued(
         routing_settings: Settings) -> None:
     # A database of its own: requeueing takes every stale job it finds.
-    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
+    settings = replace(routing_settings, database_url=recreate_database(TEST_DATABASE + "_requeue"))
     repository = Store(settings.resolved_database_url)
     jobs = _record_lost_jobs(repository, {
         "readable": compress(b"The keeper counted seven cats on the pier."),
@@ -314,7 +314,7 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
 
 def test_a_redis_epoch_whose_lost_jobs_were_all_found_is_not_searched_again_until_a_restart(
         routing_settings: Settings) -> None:
-    settings = replace(routing_settings, database_url=recreate_database("jobsvc_test_requeue"))
+    settings = replace(routing_settings, database_url=recreate_database(TEST_DATABASE + "_requeue"))
     repository = Store(settings.resolved_database_url)
     text = compress(b"The keeper counted seven cats on the pier.")
     broker = redis.Redis.from_url(settings.redis_url)

@@ -8,7 +8,6 @@ A claim is HSETNX, so two producers racing on one new document agree on whoever 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 
 import redis
@@ -17,9 +16,6 @@ from jobsvc.routing import DocumentDemand, Placement, least_loaded
 
 AFFINITY_KEY = "jobsvc:affinity"
 LOAD_KEY = "jobsvc:load"
-# Names the running Redis instance: it vanishes with a restart (Redis keeps nothing on disk
-# here), and jobs recorded under an older epoch have lost their queue messages.
-EPOCH_KEY = "jobsvc:epoch"
 
 # Lowers a shard's load without going below zero (a counter lost with a Redis restart
 # must not turn negative and attract every new document).
@@ -31,20 +27,28 @@ end
 return 1
 """
 
+# Moves each shard's load by a correction without going below zero; a value that is no
+# integer a float can hold exactly (written by something else than jobsvc) is replaced by
+# the shard's true load instead.
+_CORRECT = """
+for i = 1, #ARGV, 3 do
+  local now = tonumber(redis.call('HGET', KEYS[1], ARGV[i]))
+  local fixed = tonumber(ARGV[i + 2])
+  if now ~= nil and now >= 0 and now <= 2^52 and now == math.floor(now) then
+    fixed = math.max(0, now + tonumber(ARGV[i + 1]))
+  end
+  redis.call('HSET', KEYS[1], ARGV[i], string.format('%d', fixed))
+end
+return 1
+"""
+
 
 class ShardState:
     def __init__(self, client: redis.Redis, shards: int) -> None:
         self._redis = client
         self._shards = shards
         self._release = client.register_script(_RELEASE)
-
-    def epoch(self) -> str:
-        """The current Redis epoch, created by whoever asks first after a (re)start."""
-        with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
-            pipe.get(EPOCH_KEY)
-            _, epoch = pipe.execute()
-        return epoch.decode()
+        self._correct = client.register_script(_CORRECT)
 
     def place(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
         """Pick a shard per document (known documents stay put) and charge the shards.
@@ -108,7 +112,34 @@ class ShardState:
         if args:
             self._release(keys=[LOAD_KEY], args=args)
 
+    def loads(self) -> dict[int, int | None]:
+        """Every shard's recorded load; None where the value is not a load."""
+        return {int(shard): _load_value(value) for shard, value
+                in self._redis.hgetall(LOAD_KEY).items() if shard.isdigit()}
+
+    def correct(self, corrections: Mapping[int, tuple[int, int]]) -> None:
+        """Move shards' loads by (delta, true load) each: by delta, or to the true load where
+        the recorded one is unreadable."""
+        args: list[int | str] = []
+        for shard, (delta, true_load) in corrections.items():
+            args += [str(shard), delta, true_load]
+        if args:
+            self._correct(keys=[LOAD_KEY], args=args)
+
+
+_LARGEST_LOAD = 1 << 52
+
+
+def _load_value(raw: bytes | None) -> int | None:
+    try:
+        value = int(raw or 0)
+    except ValueError:
+        return None
+    return value if 0 <= value <= _LARGEST_LOAD else None
+
 
 def parse_loads(raw: Mapping[bytes, bytes], shards: int) -> list[int]:
-    """Per-shard outstanding work from the load hash (a missing shard has none)."""
-    return [int(raw.get(str(shard).encode(), 0)) for shard in range(shards)]
+    """Per-shard outstanding work from the load hash (a missing shard has none; one whose
+    value is not a load counts as full, until reconciliation repairs it)."""
+    return [_LARGEST_LOAD if (value := _load_value(raw.get(str(shard).encode()))) is None
+            else value for shard in range(shards)]

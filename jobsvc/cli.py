@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jobsvc.errors import JobsvcError
 from jobsvc.policies import POLICY_NAMES
-from jobsvc.settings import Settings
+from jobsvc.settings import Settings, masked_url
 from jobsvc.simulate import add_arguments as add_simulate_arguments
 
 
@@ -20,7 +20,7 @@ def _migrate(settings: Settings, _args: argparse.Namespace) -> None:
     from jobsvc.migrate import upgrade_to_head
 
     upgrade_to_head(settings.resolved_database_url)
-    print(f"database at head: {settings.resolved_database_url}")
+    print(f"database at head: {masked_url(settings.resolved_database_url)}")
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> None:
@@ -65,10 +65,20 @@ def _simulate(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def _requeue(settings: Settings, _args: argparse.Namespace) -> None:
-    from jobsvc.client import Client
+    import redis
 
-    with Client(settings=settings) as client:
-        print(f"requeued {client.requeue_stale()} jobs lost with an earlier Redis")
+    from jobsvc.reconcile import Reconciler
+    from jobsvc.store import Store
+    from jobsvc.transport import make_celery
+
+    store = Store(settings.resolved_database_url)
+    try:
+        report = Reconciler(settings, redis.Redis.from_url(settings.redis_url), store,
+                            make_celery(settings)).run_round()
+    finally:
+        store.dispose()
+    print(f"sent {report.requeued} stranded jobs again; load corrected by shard: "
+          f"{report.load_corrected}")
 
 
 def _stats(settings: Settings, _args: argparse.Namespace) -> None:
@@ -80,10 +90,12 @@ def _stats(settings: Settings, _args: argparse.Namespace) -> None:
 
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
     # This interpreter's Celery: `celery` need not be on PATH (a virtual environment used
-    # without activating it, as the README does).
-    command = [sys.executable, "-m", "celery", f"--broker={settings.redis_url}", "flower",
+    # without activating it, as the README does). The broker URL goes through the
+    # environment, where Celery looks for it, since a command line is readable by every
+    # local user and the URL may hold a password.
+    command = [sys.executable, "-m", "celery", "flower",
                f"--address={args.address}", f"--port={settings.flower_port}"]
-    os.execv(command[0], command)
+    os.execve(command[0], command, {**os.environ, "CELERY_BROKER_URL": settings.redis_url})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(simulate)
     simulate.set_defaults(run=_simulate)
     commands.add_parser(
-        "requeue", help="enqueue again the unfinished jobs a restarted Redis lost "
-        "(workers also do this every JOBSVC_REQUEUE_INTERVAL seconds)").set_defaults(
+        "requeue", help="send again the unfinished jobs whose queue messages are gone, and "
+        "return load no job holds (workers do this every JOBSVC_REQUEUE_INTERVAL seconds)"
+    ).set_defaults(
         run=_requeue)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+import kombu.exceptions
+import psycopg
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -16,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
 from jobsvc.affinity import ShardState
-from jobsvc.batching import form_batches
+from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.prompts import PromptBuilder
@@ -25,9 +28,9 @@ from jobsvc.routing import RoutingJob, decode_load, document_keys
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
+    JobLimits,
     JobRequest,
     JobStatus,
-    QueuedJob,
     validate_job,
 )
 from jobsvc.settings import Settings
@@ -37,20 +40,42 @@ from jobsvc.transport import make_celery, publish
 log = logging.getLogger(__name__)
 
 CANCEL_CHANNEL = "jobsvc:cancel"
-# Held by whoever requeues lost jobs, so that two workers never requeue the same jobs at once.
-REQUEUE_LOCK_KEY = "jobsvc:requeue-lock"
-# The Redis epoch under which a reconciler last found every lost job; it goes with a restart.
-RECONCILED_EPOCH_KEY = "jobsvc:reconciled-epoch"
+
+# What a lost connection to the database or the broker raises, below jobsvc's own errors.
+_STORAGE_ERRORS = (SQLAlchemyError, psycopg.Error)
+_BROKER_ERRORS = (redis.RedisError, kombu.exceptions.KombuError, ConnectionError)
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """Raise an outage as StorageUnavailable / BrokerUnavailable, never as a driver's own
+    exception, so callers handle one documented error per service."""
+    try:
+        yield
+    except _STORAGE_ERRORS as error:
+        raise StorageUnavailable(f"could not {what}: the database is unavailable "
+                                 f"({type(error).__name__}); try again later") from error
+    except _BROKER_ERRORS as error:
+        raise BrokerUnavailable(f"could not {what}: Redis is unavailable "
+                                f"({type(error).__name__}); try again later") from error
 
 
 @dataclass(frozen=True)
 class _Routed:
-    """Jobs ready to enqueue: (shard, queue entry) each, and their documents by key."""
+    """Jobs with their shards, what each charged its shard, and their tokens."""
 
-    placed: list[tuple[int, QueuedJob]]
-    epoch: str
+    placed: list[PlacedJob]
+    loads: list[int]
+    estimated_prefills: list[int]
+    question_tokens: list[list[int]]
     document_tokens: dict[str, list[int]]
     document_texts: dict[str, str]
+
+    def charges(self) -> dict[int, int]:
+        charges: dict[int, int] = {}
+        for job, load in zip(self.placed, self.loads, strict=True):
+            charges[job.shard] = charges.get(job.shard, 0) + load
+        return charges
 
 
 _WAIT_CHUNK = 5000
@@ -73,6 +98,9 @@ class Client:
         self._router = make_router(self._redis, self._shard_state, self.settings)
         self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
         self._celery = make_celery(self.settings)
+        self._limits = JobLimits(self.settings.max_document_chars,
+                                 self.settings.max_question_chars, self.settings.max_stop_chars,
+                                 self.settings.max_job_bytes)
 
     def close(self) -> None:
         self._store.dispose()
@@ -98,116 +126,82 @@ class Client:
         if not requests:
             return []
         job_ids = [uuid.uuid4().hex for _ in requests]
-        routed = self._route(requests, job_ids)
+        with _translated(f"route {len(requests)} jobs; nothing was recorded or enqueued"):
+            routed = self._route(requests, job_ids)
+        messages = form_batches(routed.placed, self.settings.batch_size)
+        message_of = {job_id: message.message_id for message in messages
+                      for job_id in message.job_ids}
         now = utcnow()
-        # Workers read each document's tokens from here: queue messages only name documents.
+        # Workers read everything a job runs from here: queue messages only name jobs.
         document_rows = [{"key": key, "text_zst": compression.compress(text.encode()),
                           "tokens_zst": compression.pack_tokens(routed.document_tokens[key]),
                           "tokens": len(routed.document_tokens[key]), "created_at": now}
                          for key, text in routed.document_texts.items()]
         job_rows = [{
             "id": job.job_id, "document_key": job.document_key, "question": request.question,
-            "sampling": request.sampling, "shard": shard, "status": JobStatus.QUEUED.value,
+            "question_tokens_zst": compression.pack_tokens(question_tokens),
+            "sampling": request.sampling, "shard": job.shard, "status": JobStatus.QUEUED.value,
             "prompt_tokens": len(routed.document_tokens[job.document_key])
-            + len(job.question_tokens),
-            "estimated_prefill": job.estimated_prefill, "submitted_at": now,
-            "redis_epoch": routed.epoch,
-        } for request, (shard, job) in zip(requests, routed.placed, strict=True)]
+            + len(question_tokens),
+            "estimated_prefill": prefill, "load": load, "message_id": message_of[job.job_id],
+            "submitted_at": now, "enqueued_at": now,
+        } for request, job, question_tokens, prefill, load in zip(
+            requests, routed.placed, routed.question_tokens, routed.estimated_prefills,
+            routed.loads, strict=True)]
         try:
             self._store.record_submitted(document_rows, job_rows)
-        except SQLAlchemyError as error:
-            self._shard_state.release(_charges(routed.placed))
+        except _STORAGE_ERRORS as error:
+            self._return_charges(routed)
             raise StorageUnavailable(
                 f"could not record {len(job_rows)} jobs ({type(error).__name__}); nothing was "
                 "enqueued, submit them again once the database is back") from error
         try:
-            self._publish(routed)
+            publish(self._celery, messages)
         except Exception as error:
-            self._store.forget_submitted(job_ids)
-            self._shard_state.release(_charges(routed.placed))
+            with _translated(f"withdraw {len(job_rows)} jobs after Redis refused them"):
+                self._store.forget_submitted(job_ids)
+            self._return_charges(routed)
             raise BrokerUnavailable(
                 f"could not enqueue {len(job_rows)} jobs ({type(error).__name__}: {error}); "
                 "nothing was kept, submit them again") from error
         log.debug("submitted %d jobs", len(job_rows))
         return job_ids
 
-    def requeue_stale(self, limit: int = 10_000) -> int:
-        """Enqueue again every unfinished job whose message was lost with a restarted Redis
-        (recorded under another Redis epoch); returns how many were requeued. Once a round
-        has found them all, later rounds under the same epoch skip the database: a job is
-        recorded before its message is sent, so every job whose message the restart lost
-        was already recorded when the new epoch began."""
-        lock = self._redis.lock(REQUEUE_LOCK_KEY, timeout=300, blocking=False)
-        if not lock.acquire():
-            return 0
+    def _return_charges(self, routed: _Routed) -> None:
+        """Give back what a submit that kept nothing charged; if Redis is gone too, the
+        reconciler returns it later."""
         try:
-            epoch = self._shard_state.epoch()
-            if self._redis.get(RECONCILED_EPOCH_KEY) == epoch.encode():
-                return 0
-            stale = self._store.stale_jobs(epoch, limit)
-            requeued = self._requeue(stale)
-            if len(stale) < limit:
-                self._redis.set(RECONCILED_EPOCH_KEY, epoch)
-        finally:
-            lock.release()
-        return requeued
-
-    def _requeue(self, stale: list[dict[str, Any]]) -> int:
-        """Enqueue these lost jobs again, failing those whose documents do not read back;
-        returns how many were enqueued."""
-        unreadable = [row["job_id"] for row in stale if row["document"] is None]
-        if unreadable:
-            self._store.fail(unreadable, "its message was lost with a restarted Redis and "
-                             "its document does not read back from the database, so it "
-                             "cannot be enqueued again; submit it again")
-            log.error("failed %d lost jobs whose documents do not read back", len(unreadable))
-        stale = [row for row in stale if row["document"] is not None]
-        if not stale:
-            return 0
-        requests = [JobRequest(row["document"], row["question"], row["sampling"])
-                    for row in stale]
-        routed = self._route(requests, [row["job_id"] for row in stale])
-        # Enqueue first: if marking then fails, the next round enqueues these jobs again
-        # (a harmless duplicate run); marking first could lose them.
-        self._publish(routed)
-        self._store.mark_requeued({job.job_id: shard for shard, job in routed.placed},
-                                  routed.epoch)
-        log.warning("requeued %d jobs whose messages were lost with an earlier Redis",
-                    len(stale))
-        return len(stale)
+            self._shard_state.release(routed.charges())
+        except _BROKER_ERRORS as error:
+            log.warning("could not return the load of an abandoned submit: %s", error)
 
     def _route(self, requests: Sequence[JobRequest], job_ids: Sequence[str]) -> _Routed:
-        """Tokenize (each document once), check lengths, pick shards and build the queue
-        entries; nothing is written to the database here."""
+        """Tokenize (each document once), check lengths and pick shards, charging them;
+        nothing is written to the database here."""
         distinct = list(dict.fromkeys(request.document for request in requests))
         document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
         question_tokens = self._prompts.questions([request.question for request in requests])
         self._check_lengths(requests, document_tokens, question_tokens)
         keys = {text: document_keys(tokens, self.settings.block_size)
                 for text, tokens in document_tokens.items()}
-        epoch = self._shard_state.epoch()
         decode_cost = self.settings.routing_decode_cost
         routes = self._router.route([
             RoutingJob(keys[request.document], len(document_tokens[request.document]) + len(tokens),
                        decode_load(request.sampling["max_tokens"], decode_cost))
             for request, tokens in zip(requests, question_tokens, strict=True)])
-        placed = [(route.shard, QueuedJob(job_id, keys[request.document].document_key, tokens,
-                                          request.sampling, route.estimated_prefill, route.load))
-                  for job_id, request, tokens, route
-                  in zip(job_ids, requests, question_tokens, routes, strict=True)]
         return _Routed(
-            placed=placed, epoch=epoch,
+            placed=[PlacedJob(job_id, route.shard, keys[request.document].document_key)
+                    for job_id, request, route in zip(job_ids, requests, routes, strict=True)],
+            loads=[route.load for route in routes],
+            estimated_prefills=[route.estimated_prefill for route in routes],
+            question_tokens=question_tokens,
             document_tokens={keys[text].document_key: tokens
                              for text, tokens in document_tokens.items()},
             document_texts={keys[text].document_key: text for text in distinct})
 
-    def _publish(self, routed: _Routed) -> None:
-        """Call only once the jobs' documents are recorded: messages name documents by key
-        and workers read them from the store."""
-        publish(self._celery, form_batches(routed.placed, self.settings.batch_size))
-
     def get(self, job_id: str) -> JobRecord:
-        record = self._store.get_many([job_id]).get(job_id)
+        with _translated(f"read job {job_id}"):
+            record = self._store.get_many([job_id]).get(job_id)
         if record is None:
             raise JobNotFound(f"no job with ID {job_id!r}")
         return record
@@ -221,6 +215,11 @@ class Client:
         longer); without announcements (on SQLite) every `check_interval` seconds, after
         pauses that start at 50 ms and grow to that."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
+        with _translated(f"wait for {len(ids)} jobs"):
+            return self._wait(ids, timeout, check_interval)
+
+    def _wait(self, ids: list[str], timeout: float | None,
+              check_interval: float) -> list[JobRecord]:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Listen only for jobs not finished yet, then check again: no commit between the
         # first check and the listening goes unnoticed.
@@ -248,23 +247,29 @@ class Client:
     def pending(self, job_ids: Sequence[str]) -> int:
         """How many of these jobs have not finished yet (for progress displays)."""
         ids = list(job_ids)
-        return sum(self._store.count_unfinished(ids[start:start + _WAIT_CHUNK])
-                   for start in range(0, len(ids), _WAIT_CHUNK))
+        with _translated(f"count unfinished jobs among {len(ids)}"):
+            return sum(self._store.count_unfinished(ids[start:start + _WAIT_CHUNK])
+                       for start in range(0, len(ids), _WAIT_CHUNK))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or running job. Returns False if it had already finished."""
-        cancelled = self._store.cancel(job_id)
-        if cancelled:
+        with _translated(f"cancel job {job_id}"):
+            released = self._store.cancel(job_id)
+            if released is None:
+                return False
+            self._shard_state.release(released)
+            # A worker running the job aborts it; one that has it queued skips it.
             self._redis.publish(CANCEL_CHANNEL, job_id)
-        return cancelled
+        return True
 
     def unfinished(self, job_ids: Sequence[str]) -> list[str]:
         """The jobs among these that have not finished yet, in the order given (poll with the
         shrinking list, so each poll costs less than the last). Raises JobNotFound for an
         unknown ID."""
         ids = list(job_ids)
-        return [job_id for start in range(0, len(ids), _WAIT_CHUNK)
-                for job_id in self._unfinished_chunk(ids[start:start + _WAIT_CHUNK])]
+        with _translated(f"check {len(ids)} jobs"):
+            return [job_id for start in range(0, len(ids), _WAIT_CHUNK)
+                    for job_id in self._unfinished_chunk(ids[start:start + _WAIT_CHUNK])]
 
     def _unfinished_chunk(self, job_ids: list[str]) -> list[str]:
         statuses = self._store.statuses(job_ids)
@@ -279,8 +284,7 @@ class Client:
         fields = dict(job)
         try:
             return validate_job(fields.pop("document", None), fields.pop("question", None),
-                                fields, max_document_chars=self.settings.max_document_chars,
-                                max_question_chars=self.settings.max_question_chars)
+                                fields, self._limits)
         except InvalidJob as error:
             raise InvalidJob(f"job {index}: {error}") from None
 
@@ -295,10 +299,3 @@ class Client:
                     f"job {index}: prompt of {prompt} tokens plus max_tokens "
                     f"{request.max_tokens} exceeds the model's context of {limit} tokens; "
                     "shorten the document or lower max_tokens")
-
-
-def _charges(placed: Sequence[tuple[int, QueuedJob]]) -> dict[int, int]:
-    charges: dict[int, int] = {}
-    for shard, job in placed:
-        charges[shard] = charges.get(shard, 0) + job.load
-    return charges

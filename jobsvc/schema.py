@@ -5,6 +5,7 @@ Everything here is pure: plain values in, plain values (or InvalidJob / MessageE
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Any
 
 from jobsvc.errors import InvalidJob
 
-MESSAGE_VERSION = 2
+MESSAGE_VERSION = 3
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.0
 
@@ -49,10 +50,17 @@ def _in_range(name: str, value: Any, low: float, high: float, *, integer: bool =
         raise InvalidJob(f"{name} must be between {low} and {high}, got {value!r}")
 
 
-def _check_stop(name: str, value: Any) -> None:
+MAX_STOP_STRINGS = 16
+
+
+def _check_stop(name: str, value: Any, max_chars: int) -> None:
     if not isinstance(value, list | tuple) or not all(
-            isinstance(item, str) and item for item in value) or len(value) > 16:
-        raise InvalidJob(f"{name} must be a list of at most 16 non-empty strings")
+            isinstance(item, str) and item for item in value) or len(value) > MAX_STOP_STRINGS:
+        raise InvalidJob(f"{name} must be a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    longest = max((len(item) for item in value), default=0)
+    if longest > max_chars:
+        raise InvalidJob(f"{name} has a string of {longest} characters, over the limit of "
+                         f"{max_chars} (JOBSVC_MAX_STOP_CHARS)")
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -74,10 +82,9 @@ _SAMPLING_CHECKS = {
     "frequency_penalty": lambda n, v: _in_range(n, v, -2.0, 2.0),
     "repetition_penalty": lambda n, v: _in_range(n, v, 1e-3, 10.0),
     "seed": lambda n, v: _in_range(n, v, 0, (1 << 63) - 1, integer=True),
-    "stop": _check_stop,
     "ignore_eos": _check_flag,
 }
-SAMPLING_KEYS = frozenset(_SAMPLING_CHECKS)
+SAMPLING_KEYS = frozenset({*_SAMPLING_CHECKS, "stop"})
 
 
 def _check_text(name: str, value: Any, limit: int) -> str:
@@ -110,21 +117,39 @@ class JobRequest:
         return int(self.sampling["max_tokens"])
 
 
-def validate_job(document: Any, question: Any, sampling: Mapping[str, Any], *,
-                 max_document_chars: int, max_question_chars: int) -> JobRequest:
+@dataclass(frozen=True)
+class JobLimits:
+    """What a job may hold; everything a worker later reads of it stays within these."""
+
+    max_document_chars: int
+    max_question_chars: int
+    max_stop_chars: int
+    # The job's own record (question and sampling, JSON-encoded) as a worker reads it.
+    max_job_bytes: int
+
+
+def validate_job(document: Any, question: Any, sampling: Mapping[str, Any],
+                 limits: JobLimits) -> JobRequest:
     """Check one job's fields; the prompt length check needs the tokenizer and comes later."""
-    _check_text("document", document, max_document_chars)
-    _check_text("question", question, max_question_chars)
+    _check_text("document", document, limits.max_document_chars)
+    _check_text("question", question, limits.max_question_chars)
     unknown = sorted(set(sampling) - SAMPLING_KEYS)
     if unknown:
         raise InvalidJob(f"unknown sampling key(s) {unknown}; allowed: {sorted(SAMPLING_KEYS)}")
     merged = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **sampling}
     for name, value in merged.items():
-        _SAMPLING_CHECKS[name](name, value)
+        if name == "stop":
+            _check_stop(name, value, limits.max_stop_chars)
+        else:
+            _SAMPLING_CHECKS[name](name, value)
     if merged.get("min_tokens", 0) > merged["max_tokens"]:
         raise InvalidJob("min_tokens must not exceed max_tokens")
     if "stop" in merged:
         merged["stop"] = list(merged["stop"])
+    encoded = len(json.dumps({"question": question, "sampling": merged}).encode())
+    if encoded > limits.max_job_bytes:
+        raise InvalidJob(f"job is {encoded} bytes encoded (question and sampling), over the "
+                         f"limit of {limits.max_job_bytes} (JOBSVC_MAX_JOB_BYTES)")
     return JobRequest(document, question, merged)
 
 
@@ -132,69 +157,38 @@ class MessageError(ValueError):
     """A queue message that is not a batch of ours; the worker refuses it and carries on."""
 
 
-@dataclass(frozen=True)
-class QueuedJob:
-    job_id: str
-    document_key: str
-    question_tokens: list[int]
-    sampling: dict[str, Any]
-    # The prompt tokens the router expected the shard to compute (the rest it expected cached).
-    estimated_prefill: int
-    # What the router charged the shard for this job (`routers.Route.load`); returned when it
-    # ends.
-    load: int
+# A message names at most this many jobs; the producer's batch size is far below it.
+MAX_MESSAGE_JOBS = 100_000
 
 
 @dataclass(frozen=True)
 class BatchMessage:
-    """One micro-batch for one shard. Jobs name their documents by key and never carry them:
-    submit records every document, with its tokens, before it enqueues, and the worker reads
-    them from there; Redis holds no copy of a document to lose or expire."""
+    """One micro-batch for one shard: only the IDs of its jobs. Everything that decides a
+    job's answer (document, question, sampling) and what it charged its shard is read from the
+    job's record, so a message can point a worker at work but never change it. The message's
+    own ID (the Celery task ID) is recorded with each job it carries: only that message may
+    run them, so copies, forgeries and messages superseded by a requeue run nothing."""
 
     shard: int
-    jobs: list[QueuedJob]
+    job_ids: list[str]
+    message_id: str
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "v": MESSAGE_VERSION,
-            "shard": self.shard,
-            "jobs": [[job.job_id, job.document_key, job.question_tokens, job.sampling,
-                      job.estimated_prefill, job.load] for job in self.jobs],
-        }
+        return {"v": MESSAGE_VERSION, "shard": self.shard, "jobs": self.job_ids}
 
     @classmethod
-    def from_wire(cls, data: Any) -> BatchMessage:
+    def from_wire(cls, data: Any, message_id: str) -> BatchMessage:
         """Rebuild a message, refusing anything that is not exactly our schema."""
         if not isinstance(data, dict) or data.get("v") != MESSAGE_VERSION:
             raise MessageError(f"not a version-{MESSAGE_VERSION} jobsvc batch")
         shard, jobs = data.get("shard"), data.get("jobs")
-        if not _is_int(shard) or not isinstance(jobs, list):
-            raise MessageError("batch needs an integer shard and a jobs list")
-        return cls(shard, [_parse_job(entry) for entry in jobs])
-
-
-def _parse_job(entry: Any) -> QueuedJob:
-    """A job entry; one without its load (enqueued before loads counted decoding) was charged
-    its estimated prefill alone."""
-    if not isinstance(entry, list) or len(entry) not in (5, 6):
-        raise MessageError("a job entry must be [id, document_key, question_tokens, sampling, "
-                           "estimated_prefill, load]")
-    job_id, document_key, question_tokens, sampling, prefill = entry[:5]
-    load = entry[5] if len(entry) == 6 else prefill
-    if not (isinstance(job_id, str) and job_id and isinstance(document_key, str)
-            and document_key):
-        raise MessageError(f"job {job_id!r} has no ID or no document key")
-    if not _is_token_list(question_tokens) or not isinstance(sampling, dict) or not (
-            _is_int(prefill) and _is_int(load)):
-        raise MessageError(f"job {job_id!r} has malformed tokens, sampling, prefill or load")
-    if set(sampling) - SAMPLING_KEYS:
-        raise MessageError(f"job {job_id!r} has unknown sampling keys")
-    return QueuedJob(job_id, document_key, question_tokens, sampling, prefill, load)
+        if not _is_int(shard) or not isinstance(jobs, list) or len(jobs) > MAX_MESSAGE_JOBS:
+            raise MessageError(f"batch needs an integer shard and a list of at most "
+                               f"{MAX_MESSAGE_JOBS} job IDs")
+        if not all(isinstance(job_id, str) and 0 < len(job_id) <= 64 for job_id in jobs):
+            raise MessageError("a batch's job IDs must be strings of 1 to 64 characters")
+        return cls(shard, jobs, message_id)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_int(token) and token >= 0 for token in value)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
@@ -70,6 +71,10 @@ class Settings:
     zstd_level: int = 3
     max_document_chars: int = 2_000_000
     max_question_chars: int = 20_000
+    # Longest stop string a job may give (it may give 16).
+    max_stop_chars: int = 1_000
+    # Largest job record a worker reads (question and sampling, JSON-encoded), in bytes.
+    max_job_bytes: int = 1 << 20
     gpu_memory_utilization: float = 0.9
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
@@ -86,8 +91,13 @@ class Settings:
     visibility_timeout: int = 30
     # Deliveries before a job that keeps stopping its worker is given up as failed.
     max_attempts: int = 3
-    # Seconds between a worker's checks for jobs lost with a restarted Redis.
+    # Seconds between a worker's reconciliation rounds: jobs whose queue message is gone
+    # (a restarted Redis, a producer killed mid-submit, a dropped message) are sent again,
+    # and shard load that no unfinished job holds is returned.
     requeue_interval: int = 10
+    # Seconds a job's message may be missing before the job counts as stranded: longer than a
+    # submit takes between recording its jobs and enqueueing them.
+    stranded_grace: int = 30
     # Largest accepted queue message after decompression, in bytes.
     max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
@@ -131,6 +141,9 @@ class Settings:
         if self.visibility_timeout < 3 or self.max_attempts < 1 or self.requeue_interval < 1:
             raise ConfigurationError("JOBSVC_VISIBILITY_TIMEOUT must be >= 3 and "
                                      "JOBSVC_MAX_ATTEMPTS, JOBSVC_REQUEUE_INTERVAL >= 1")
+        if self.stranded_grace < 1 or self.max_stop_chars < 1 or self.max_job_bytes < 1024:
+            raise ConfigurationError("JOBSVC_STRANDED_GRACE and JOBSVC_MAX_STOP_CHARS must be "
+                                     ">= 1 and JOBSVC_MAX_JOB_BYTES >= 1024")
         if self.routing not in POLICY_NAMES:
             raise ConfigurationError(f"JOBSVC_ROUTING={self.routing!r} is not one of "
                                      f"{', '.join(POLICY_NAMES)}")
@@ -142,6 +155,16 @@ class Settings:
                                      f"{', '.join(DTYPES)}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
+
+
+def masked_url(url: str) -> str:
+    """The URL with its password replaced by `***`, for anything printed or logged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _parse(name: str, kind: Any, raw: str) -> Any:

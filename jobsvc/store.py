@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -43,7 +44,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
-from jobsvc.schema import FINISHED_STATUSES, JobStatus
+from jobsvc.schema import FINISHED_STATUSES, BatchMessage, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,14 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(200))
     # Deliveries to a worker so far; a job that keeps killing its worker is given up.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
-    # The Redis instance (see jobsvc.affinity) whose queue holds this job's message.
-    redis_epoch: Mapped[str | None] = mapped_column(String(32))
+    # The question's tokens as the producer made them (compression.pack_tokens); none on jobs
+    # recorded before they were stored, whose question workers tokenize instead.
+    question_tokens_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # What the router charged the job's shard; returned when the job finishes.
+    load: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # The one queue message (Celery task ID) that may run this job, and when it was sent.
+    message_id: Mapped[str | None] = mapped_column(String(32))
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -146,6 +153,38 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class ClaimedJob:
+    """A job a worker may run, as its record says. Document and question are tokens, or text
+    to tokenize where the tokens do not read back."""
+
+    job_id: str
+    document: tuple[int, ...] | str
+    question: tuple[int, ...] | str
+    sampling: dict[str, Any]
+    estimated_prefill: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a claim gives the worker: the jobs to run, and the load of those it ended."""
+
+    jobs: list[ClaimedJob]
+    released: dict[int, int]
+
+
+def _add_load(releases: dict[int, int], shard: int, load: int) -> None:
+    releases[shard] = releases.get(shard, 0) + load
+
+
+def _load_by_shard(rows: Any) -> dict[int, int]:
+    """Sum (shard, load) rows: what jobs that just finished return to their shards."""
+    releases: dict[int, int] = {}
+    for shard, load in rows:
+        _add_load(releases, shard, int(load))
+    return releases
+
+
+@dataclass(frozen=True)
 class JobOutcome:
     """How one job ended on a worker, as the worker hands it to the store."""
 
@@ -177,6 +216,16 @@ def _readable_tokens(key: str, tokens_zst: bytes | None) -> tuple[int, ...] | No
     except compression.TokenFrameError as error:
         log.warning("document %s: %s; its text is used instead", key, error)
         return None
+
+
+def _question(row: Any) -> tuple[int, ...] | str:
+    """A claimed job's question tokens, or its text where they do not read back."""
+    if row.question_tokens_zst is not None:
+        try:
+            return compression.unpack_tokens(row.question_tokens_zst)
+        except compression.TokenFrameError as error:
+            log.warning("job %s: %s; its question text is used instead", row.id, error)
+    return row.question
 
 
 def _readable_text(key: str, text_zst: bytes) -> str | None:
@@ -222,11 +271,11 @@ def _unfinished(status: Any) -> ColumnElement[bool]:
     finished statuses, which no index serves, leaves the lookup by key."""
     return status.not_in(_FINISHED)
 
-# A gathering's outcomes in one statement on PostgreSQL: the jobs still active take theirs,
-# and those that succeeded get their result rows, all from arrays. Row by row (one UPDATE and
-# one INSERT per job, after a SELECT that locks them), 32-job gatherings with their batch
-# statistics cost the recorder 0.17-0.19 ms of CPU per job and the database 0.17-0.25 on a
-# loopback connection; this way 0.09 and 0.10.
+# A gathering's outcomes in one statement on PostgreSQL, from arrays: the jobs still active
+# take theirs, those that succeeded get their result rows, and the loads of the jobs it ended
+# come back by shard (a job's load returns once, with the statement that ends it). Row by row
+# (an UPDATE and an INSERT per job after a locking SELECT) cost both the recorder and the
+# database about twice the CPU, taken from the engine's cores.
 _RECORD_OUTCOMES_POSTGRESQL = text("""
 WITH finished AS (
     UPDATE jobs SET status = o.status, error = o.error, finished_at = o.finished_at
@@ -234,20 +283,22 @@ WITH finished AS (
                 CAST(:errors AS text[]), CAST(:finished_at AS timestamptz[]))
          AS o (id, status, error, finished_at)
     WHERE jobs.id = o.id AND jobs.status <> ALL(CAST(:finished AS varchar[]))
-    RETURNING jobs.id)
-INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, created_at)
-SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, :recorded_at
-FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
-            CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]))
-     AS r (job_id, answer_zst, completion_tokens, cached_tokens)
-JOIN finished ON finished.id = r.job_id
-ON CONFLICT DO NOTHING""")
+    RETURNING jobs.id, jobs.shard, jobs.load),
+answered AS (
+    INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, created_at)
+    SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, :recorded_at
+    FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
+                CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]))
+         AS r (job_id, answer_zst, completion_tokens, cached_tokens)
+    JOIN finished ON finished.id = r.job_id
+    ON CONFLICT DO NOTHING)
+SELECT shard, sum(load) FROM finished GROUP BY shard""")
 
 
 def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOutcome]
-                                ) -> None:
+                                ) -> dict[int, int]:
     succeeded = [o for o in outcomes if o.error is None]
-    connection.execute(_RECORD_OUTCOMES_POSTGRESQL, {
+    return _load_by_shard(connection.execute(_RECORD_OUTCOMES_POSTGRESQL, {
         "ids": [o.job_id for o in outcomes],
         "statuses": [o.status.value for o in outcomes],
         "errors": [o.error for o in outcomes],
@@ -258,7 +309,7 @@ def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOu
         "answers": [compression.compress((o.answer or "").encode()) for o in succeeded],
         "completion_tokens": [o.completion_tokens for o in succeeded],
         "cached_tokens": [o.cached_tokens for o in succeeded],
-    })
+    }))
 
 
 def _copy_rows(connection: Connection, table: Any, rows: Sequence[dict[str, Any]]) -> None:
@@ -287,12 +338,18 @@ class Store:
         self._reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         # A worker's statements for every batch, built once: building and keying a statement
         # cost more of its CPU than sending it.
+        # Only the job's own message, on the job's own shard, claims it: a queued job, or a
+        # running one whose message came back because its worker stopped (`redelivered`).
         self._claim = (
             update(Job)
-            .where(self._among_listed(Job.id, "job_ids"), _unfinished(Job.status))
+            .where(self._among_listed(Job.id, "job_ids"), Job.shard == bindparam("b_shard"),
+                   Job.message_id == bindparam("b_message_id"), _unfinished(Job.status),
+                   or_(bindparam("redelivered", type_=Boolean),
+                       Job.status != JobStatus.RUNNING.value))
             .values(status=JobStatus.RUNNING.value, started_at=bindparam("now"),
                     worker=bindparam("worker"), attempts=Job.attempts + 1)
-            .returning(Job.id, Job.attempts, Job.document_key))
+            .returning(Job.id, Job.attempts, Job.document_key, Job.question,
+                       Job.question_tokens_zst, Job.sampling, Job.estimated_prefill))
         self._document_tokens = select(Document.key, Document.tokens_zst).where(
             self._among_listed(Document.key, "keys"))
         self._document_texts = select(Document.key, Document.text_zst).where(
@@ -334,35 +391,35 @@ class Store:
             else:
                 connection.execute(Job.__table__.insert(), list(jobs))
 
-    def claim_batch(self, job_ids: Sequence[str], worker: str, max_attempts: int
-                    ) -> dict[str, tuple[int, ...] | str]:
-        """Mark a batch's jobs running and read what they run on, in one transaction. Returns
-        the jobs that may run (queued ones, and running ones whose earlier delivery never
-        finished) with their documents: the recorded tokens or, where none read back, the
-        text to tokenize. Cancelled or finished jobs are left as they are. A job delivered
-        more than `max_attempts` times ends failed instead, and so does one whose document
-        reads back as neither (no delivery could run it). The job's own record, not the key
-        a queue message names, decides its document; a batch asks several questions of each,
-        so each is read once."""
+    def claim_batch(self, job_ids: Sequence[str], *, message_id: str, shard: int,
+                    redelivered: bool, worker: str, max_attempts: int) -> Claim:
+        """Mark the jobs that this message may run running and read what they run, in one
+        transaction. Jobs finished, cancelled, on another shard or owned by another message
+        are left alone. A job delivered more than `max_attempts` times ends failed instead,
+        and so does one whose document reads back as neither tokens nor text (no delivery
+        could run it). A batch asks several questions of each document: each is read once."""
+        released: dict[int, int] = {}
         with self.engine.begin() as connection:
             claimed = connection.execute(self._claim, {
-                "job_ids": list(job_ids), "now": utcnow(), "worker": worker}).all()
+                "job_ids": list(job_ids), "b_message_id": message_id, "b_shard": shard,
+                "redelivered": redelivered, "now": utcnow(), "worker": worker}).all()
             exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
-                self._fail(connection, exhausted,
-                           f"gave up after {max_attempts} deliveries: the worker running this "
-                           "job stopped each time before it finished")
-            runnable = {row.id: row.document_key for row in claimed
-                        if row.attempts <= max_attempts}
-            documents = self._documents(connection, set(runnable.values()))
+                released = self._fail(
+                    connection, exhausted, f"gave up after {max_attempts} deliveries: the "
+                    "worker running this job stopped each time before it finished")
+            runnable = [row for row in claimed if row.attempts <= max_attempts]
+            documents = self._documents(connection, {row.document_key for row in runnable})
             for key, document in documents.items():
                 if document is None:
-                    self._fail(connection, [job_id for job_id, job_key in runnable.items()
-                                            if job_key == key],
-                               f"its document {key} does not read back from the database "
-                               "(neither its tokens nor its text); submit it again")
-        return {job_id: document for job_id, key in runnable.items()
-                if (document := documents[key]) is not None}
+                    for shard_of, load in self._fail(
+                            connection, [row.id for row in runnable if row.document_key == key],
+                            f"its document {key} does not read back from the database "
+                            "(neither its tokens nor its text); submit it again").items():
+                        _add_load(released, shard_of, load)
+        jobs = [ClaimedJob(row.id, document, _question(row), row.sampling, row.estimated_prefill)
+                for row in runnable if (document := documents[row.document_key]) is not None]
+        return Claim(jobs, released)
 
     def _documents(self, connection: Connection, keys: set[str]
                    ) -> dict[str, tuple[int, ...] | str | None]:
@@ -381,40 +438,51 @@ class Store:
                 documents[key] = _readable_text(key, text_zst)
         return documents
 
-    def fail(self, job_ids: Sequence[str], reason: str) -> None:
-        """End these jobs failed with `reason`, unless they have already ended."""
-        with self.engine.begin() as connection:
-            self._fail(connection, job_ids, reason)
-
-    def _fail(self, connection: Connection, job_ids: Sequence[str], reason: str) -> None:
-        connection.execute(
+    def _fail(self, connection: Connection, job_ids: Sequence[str], reason: str
+              ) -> dict[int, int]:
+        """End these jobs failed with `reason`, unless they have already ended; returns the
+        load of those it ended, by shard."""
+        return _load_by_shard(connection.execute(
             update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
-            .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason))
+            .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason)
+            .returning(Job.shard, Job.load)))
 
-    def stale_jobs(self, epoch: str, limit: int) -> list[dict[str, Any]]:
-        """Unfinished jobs enqueued into another Redis instance than the current one: their
-        messages are gone and they must be enqueued again. A job whose document text does not
-        read back comes with `document` None, so that it alone fails, not every requeue."""
+    def stranded_jobs(self, enqueued_before: datetime, live_messages: Sequence[str],
+                      limit: int) -> dict[int, list[str]]:
+        """Unfinished jobs sent before `enqueued_before` whose message is none of the live
+        ones, by shard: nothing will ever run them unless they are sent again."""
         query = (
-            select(Job.id, Job.question, Job.sampling, Document.key, Document.text_zst)
-            .join(Document, Document.key == Job.document_key)
+            select(Job.shard, Job.id)
             .where(Job.status.in_(_ACTIVE),
-                   or_(Job.redis_epoch.is_(None), Job.redis_epoch != epoch))
+                   or_(Job.enqueued_at.is_(None), Job.enqueued_at < enqueued_before),
+                   or_(Job.message_id.is_(None),
+                       ~self._among(Job.message_id, list(live_messages))))
             .order_by(Job.submitted_at)
-            .limit(limit)
-        )
+            .limit(limit))
+        stranded: dict[int, list[str]] = {}
         with self._reads.connect() as connection:
-            rows = connection.execute(query).all()
-        return [{"job_id": row.id, "question": row.question, "sampling": row.sampling,
-                 "document": _readable_text(row.key, row.text_zst)} for row in rows]
+            for shard, job_id in connection.execute(query):
+                stranded.setdefault(shard, []).append(job_id)
+        return stranded
 
-    def mark_requeued(self, placements: Mapping[str, int], epoch: str) -> None:
-        job = Job.__table__
+    def assign_messages(self, messages: Sequence[BatchMessage]) -> None:
+        """Hand unfinished jobs to new messages, which alone may run them from now on; a job
+        a worker was running becomes queued again (its worker's message is gone)."""
+        now = utcnow()
         with self.engine.begin() as connection:
-            connection.execute(
-                update(job).where(job.c.id == bindparam("b_id")).values(
-                    shard=bindparam("b_shard"), redis_epoch=epoch),
-                [{"b_id": job_id, "b_shard": shard} for job_id, shard in placements.items()])
+            for message in messages:
+                connection.execute(
+                    update(Job).where(self._among(Job.id, message.job_ids),
+                                      Job.status.in_(_ACTIVE))
+                    .values(message_id=message.message_id, status=JobStatus.QUEUED.value,
+                            enqueued_at=now))
+
+    def active_load(self) -> dict[int, int]:
+        """What every unfinished job charged its shard, summed by shard."""
+        query = (select(Job.shard, func.sum(Job.load)).where(Job.status.in_(_ACTIVE))
+                 .group_by(Job.shard))
+        with self._reads.connect() as connection:
+            return _load_by_shard(connection.execute(query))
 
     def forget_submitted(self, job_ids: Sequence[str]) -> None:
         """Remove jobs recorded by a submit whose enqueue then failed."""
@@ -422,11 +490,12 @@ class Store:
             connection.execute(Job.__table__.delete().where(self._among(Job.id, job_ids)))
 
     def record_outcomes(self, outcomes: Sequence[JobOutcome],
-                        batch_stats: Sequence[dict[str, Any]] = ()) -> None:
+                        batch_stats: Sequence[dict[str, Any]] = ()) -> dict[int, int]:
         """Record finished jobs, and the statistics of batches that ended with them, in one
         transaction (one commit per gathering: each commit costs the database a WAL flush).
         Only jobs still queued or running take the outcome: a job already finished (an
-        earlier delivery) or cancelled keeps its first ending."""
+        earlier delivery) or cancelled keeps its first ending. Returns the load of the jobs
+        this call ended, by shard."""
         # A job delivered twice can end twice in one gathering: its first ending counts.
         first: dict[str, JobOutcome] = {}
         for outcome in outcomes:
@@ -436,24 +505,23 @@ class Store:
             if batch_stats:
                 connection.execute(BatchStat.__table__.insert(), list(batch_stats))
             if not outcomes:
-                return
+                return {}
             if self._dialect is postgresql:
-                _record_outcomes_postgresql(connection, outcomes)
-            else:
-                self._record_outcomes_row_by_row(connection, outcomes)
+                return _record_outcomes_postgresql(connection, outcomes)
+            return self._record_outcomes_row_by_row(connection, outcomes)
 
     def _record_outcomes_row_by_row(self, connection: Connection,
-                                    outcomes: Sequence[JobOutcome]) -> None:
+                                    outcomes: Sequence[JobOutcome]) -> dict[int, int]:
         """For the embedded SQLite, which has no arrays (nor row locks: it writes one
         transaction at a time)."""
         job = Job.__table__
-        active = set(connection.execute(
-            select(job.c.id)
+        active = {row.id: (row.shard, row.load) for row in connection.execute(
+            select(job.c.id, job.c.shard, job.c.load)
             .where(self._among(job.c.id, [o.job_id for o in outcomes]),
-                   _unfinished(job.c.status))).scalars())
+                   _unfinished(job.c.status)))}
         outcomes = [o for o in outcomes if o.job_id in active]
         if not outcomes:
-            return
+            return {}
         succeeded = [o for o in outcomes if o.error is None]
         if succeeded:
             recorded_at = utcnow()
@@ -467,19 +535,21 @@ class Store:
                 finished_at=bindparam("b_finished_at")),
             [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
               "b_status": o.status.value} for o in outcomes])
+        return _load_by_shard(active[o.job_id] for o in outcomes)
 
-    def cancel(self, job_id: str) -> bool:
-        """Cancel a job that has not finished; False if it had already ended."""
+    def cancel(self, job_id: str) -> dict[int, int] | None:
+        """Cancel a job that has not finished; returns its load by shard (to return to the
+        router), or None if it had already ended."""
         with self.engine.begin() as connection:
-            changed = connection.execute(
+            ended = connection.execute(
                 update(Job).where(Job.id == job_id, _unfinished(Job.status))
                 .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())
-            ).rowcount
-            if changed:
-                return True
+                .returning(Job.shard, Job.load)).all()
+            if ended:
+                return _load_by_shard(ended)
             if connection.execute(select(Job.id).where(Job.id == job_id)).first() is None:
                 raise JobNotFound(f"no job with ID {job_id!r}")
-            return False
+            return None
 
     def finish_signal(self) -> FinishSignal:
         """What a waiter blocks on between checks of its jobs (see `jobsvc.finish_signal`)."""

@@ -1,8 +1,8 @@
 """The wire between producers and workers: one Celery app configuration both sides share,
 the task name, and batched publishing of micro-batch messages to shard queues.
 
-Messages are JSON only (nothing else is accepted), compressed whole with zstd. They name
-documents by key and never carry them, so Redis holds little more than job IDs and questions."""
+Messages are JSON only (nothing else is accepted), compressed whole with zstd. They carry
+job IDs and nothing else: a job's record in the store says what it runs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ RUN_BATCH_TASK = "jobsvc.run_batch"
 # kombu's Redis transport keeps unacknowledged messages in this sorted set, scored by the
 # time they were delivered; workers renew their leases by re-scoring them.
 UNACKED_INDEX_KEY = "unacked_index"
+# ... and the messages themselves in this hash, by delivery tag.
+UNACKED_KEY = "unacked"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -53,6 +55,6 @@ def publish(app: Celery, messages: Sequence[BatchMessage]) -> None:
             queue = queue_name(message.shard)
             # A summary for Flower, instead of Celery's truncated repr of the whole batch.
             app.send_task(RUN_BATCH_TASK, args=[message.to_wire()], queue=queue,
-                          routing_key=queue, producer=producer,
-                          argsrepr=f"shard {message.shard}: {len(message.jobs)} jobs")
+                          routing_key=queue, producer=producer, task_id=message.message_id,
+                          argsrepr=f"shard {message.shard}: {len(message.job_ids)} jobs")
 

@@ -15,16 +15,21 @@ from jobsvc.finish_signal import NOTIFIED_CHECK_SECONDS, finished_count
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, JobOutcome, Store, utcnow
+from tests.conftest import claim
 
 
 def _answer(store: Store, job_id: str) -> None:
-    store.claim_batch([job_id], "w", max_attempts=3)
+    claim(store, [job_id])
     store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
+
+
+def _fail(store: Store, job_id: str) -> None:
+    store.record_outcomes([JobOutcome(job_id, None, "no", 0, 0, utcnow())])
 
 
 FINISHING = {
     "answered": (_answer, JobStatus.SUCCEEDED),
-    "failed": (lambda store, job_id: store.fail([job_id], "no"), JobStatus.FAILED),
+    "failed": (_fail, JobStatus.FAILED),
     "cancelled": (lambda store, job_id: store.cancel(job_id), JobStatus.CANCELLED),
 }
 
@@ -59,7 +64,7 @@ def test_a_claim_that_only_starts_jobs_wakes_nobody(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
     with store.finish_signal() as signal:
-        assert set(store.claim_batch([job_id], "w", max_attempts=3)) == {job_id}
+        assert set(claim(store, [job_id])) == {job_id}
         assert signal.wait(0.3) is None
 
 
@@ -73,12 +78,12 @@ def test_a_waiter_for_several_jobs_sleeps_through_commits_that_cannot_finish_the
         store: Store, queued_job: Callable[[], str]) -> None:
     first, second, third = queued_job(), queued_job(), queued_job()
     with store.finish_signal() as signal:
-        store.fail([first], "no")
+        _fail(store, first)
         assert signal.wait(0.5, jobs=2) is None
         # Counts start again after each return: one more finished job is not two.
-        store.fail([second], "no")
+        _fail(store, second)
         assert signal.wait(0.5, jobs=2) is None
-        store.fail([third], "no")
+        _fail(store, third)
         assert signal.wait(5, jobs=1) is not None
 
 

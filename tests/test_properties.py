@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
-from jobsvc.schema import SAMPLING_KEYS, validate_job
+from jobsvc.schema import SAMPLING_KEYS, JobLimits, validate_job
 from jobsvc.store import Job, Store
 
-LIMITS = {"max_document_chars": 5000, "max_question_chars": 500}
+LIMITS = JobLimits(max_document_chars=5000, max_question_chars=500, max_stop_chars=1000,
+                   max_job_bytes=1 << 20)
 
 anything = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),
@@ -32,7 +33,7 @@ sampling = st.dictionaries(
 def test_validation_accepts_or_refuses_with_invalid_job_only(
         document: Any, question: Any, options: dict[str, Any]) -> None:
     try:
-        job = validate_job(document, question, options, **LIMITS)
+        job = validate_job(document, question, options, LIMITS)
     except InvalidJob:
         return
     from vllm import SamplingParams

@@ -17,6 +17,7 @@ from jobsvc.routers import CacheFeedback
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
+from tests.conftest import claim
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 # Far longer than any test waits: a write before it ends was not gathering.
@@ -38,12 +39,12 @@ def _running_recorder(store: Store, settings: Settings) -> Iterator[ResultRecord
 
 def _finish(recorder: ResultRecorder, job_id: str, completion: Completion) -> None:
     recorder.job_finished(JobOutcome(job_id, "answer", None, 1, 0, utcnow()), shard=0,
-                          load=10, check=CacheCheck(0, 16), completion=completion)
+                          check=CacheCheck(0, 16), completion=completion)
 
 
 def _claimed(store: Store, queued_job: Callable[[], str], count: int) -> list[str]:
     job_ids = [queued_job() for _ in range(count)]
-    store.claim_batch(job_ids, "w", max_attempts=3)
+    claim(store, job_ids)
     return job_ids
 
 

@@ -22,6 +22,7 @@ from jobsvc.routing import queue_name
 from jobsvc.store import Job, Store
 from jobsvc.transport import RUN_BATCH_TASK
 from jobsvc.workloads import document, question
+from workers.broker_fixes import dead_letter_key
 
 GOOD_DOCUMENT = "A short document about the lighthouse keeper and her seven cats."
 GOOD_QUESTION = "How many cats are there?"
@@ -46,6 +47,8 @@ BAD_JOBS: list[tuple[str, dict[str, Any]]] = [
     ("top_p", {"top_p": 0}),
     ("unknown sampling key", {"beam_width": 4}),
     ("stop", {"stop": "not-a-list"}),
+    ("stop", {"stop": ["x" * 1001]}),
+    ("stop", {"stop": ["y" * 17_000_000] * 16}),
     ("min_tokens", {"min_tokens": 50, "max_tokens": 10}),
     ("context", {"max_tokens": 5000}),
     ("context", {"document": "lighthouse " * 6000}),
@@ -131,13 +134,26 @@ def test_worker_refuses_foreign_messages_and_keeps_serving(client: Client,
         _envelope("a: yaml", "application/x-yaml"),
         _bomb(),
     ]
+    # Items that are no message envelope at all: they go to the queue's dead-letter list.
+    garbage = [b"not json at all", json.dumps([1, 2, 3]).encode(), b"\xff\xfe not UTF-8",
+               json.dumps({"body": 1}).encode(),
+               json.dumps({**_envelope("x", "application/json"), "properties": []}).encode()]
+    broker = redis.Redis.from_url(url)
+    dead_letters = dead_letter_key(queue)
+    broker.delete(dead_letters)
     for envelope in hostile:
         _push_raw(url, queue, envelope)
+    for item in garbage:
+        broker.lpush(queue, item)
     rng = random.Random(3)
     job_id = client.submit(document(rng, 80), question(rng), max_tokens=4)
     (record,) = client.wait([job_id], timeout=180)
     assert record.status is JobStatus.SUCCEEDED
     assert all(process.poll() is None for process in worker.processes)
-    assert redis.Redis.from_url(url).llen(queue) == 0
+    assert broker.llen(queue) == 0
+    # Kept as kombu read them: bytes that are not UTF-8 come back replaced.
+    assert sorted(broker.lrange(dead_letters, 0, -1)) == sorted(
+        item.decode(errors="replace").encode() for item in garbage)
     log = worker.log_path(0).read_text(errors="replace")
-    assert "refused a message" in log
+    assert "refused message" in log
+    assert "moved a malformed item" in log

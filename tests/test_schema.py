@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from jobsvc.batching import form_batches
+from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.errors import InvalidJob
-from jobsvc.schema import BatchMessage, MessageError, QueuedJob, validate_job
+from jobsvc.schema import BatchMessage, JobLimits, MessageError, validate_job
 
-LIMITS = {"max_document_chars": 1000, "max_question_chars": 100}
+LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=10,
+                   max_job_bytes=1024)
 
 
 def test_defaults_are_filled_and_stop_lists_normalised() -> None:
-    job = validate_job("doc", "q?", {"stop": ("END",)}, **LIMITS)
+    job = validate_job("doc", "q?", {"stop": ("END",)}, LIMITS)
     assert job.sampling == {"max_tokens": 64, "temperature": 0.0, "stop": ["END"]}
 
 
@@ -25,53 +26,56 @@ def test_defaults_are_filled_and_stop_lists_normalised() -> None:
 def test_text_limits_and_encodings_are_enforced(document: str, question: str,
                                                 message: str) -> None:
     with pytest.raises(InvalidJob, match=message):
-        validate_job(document, question, {}, **LIMITS)
+        validate_job(document, question, {}, LIMITS)
 
 
-def _job(job_id: str, document: str) -> QueuedJob:
-    return QueuedJob(job_id, document, [7, 8], {"max_tokens": 4}, 10, 42)
+@pytest.mark.parametrize(("sampling", "message"), [
+    ({"stop": ["x" * 11]}, "stop has a string of 11 characters.*JOBSVC_MAX_STOP_CHARS"),
+    ({"stop": ["x"] * 17}, "stop must be a list of at most 16"),
+    ({"stop": ["x" * 10] * 16, "max_tokens": 8}, None),
+])
+def test_stop_strings_are_bounded_in_number_and_length(sampling: dict[str, object],
+                                                       message: str | None) -> None:
+    if message is None:
+        assert validate_job("doc", "q", sampling, LIMITS).sampling["stop"] == sampling["stop"]
+        return
+    with pytest.raises(InvalidJob, match=message):
+        validate_job("doc", "q", sampling, LIMITS)
+
+
+def test_a_job_larger_encoded_than_a_worker_reads_is_refused_naming_the_limit() -> None:
+    with pytest.raises(InvalidJob, match="JOBSVC_MAX_JOB_BYTES"):
+        validate_job("doc", "q" * 100, {"stop": ["\u2603" * 10] * 16}, LIMITS)
 
 
 def test_batch_message_round_trips_through_its_wire_form() -> None:
-    message = BatchMessage(2, [_job("a", "d"), _job("b", "d")])
-    assert BatchMessage.from_wire(message.to_wire()) == message
+    message = BatchMessage(2, ["a", "b"], "m1")
+    assert BatchMessage.from_wire(message.to_wire(), "m1") == message
 
 
-def test_batch_messages_name_documents_and_carry_none() -> None:
-    wire = BatchMessage(0, [_job("a", "d")]).to_wire()
-    assert wire == {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10, 42]]}
-
-
-def test_a_job_enqueued_without_its_load_returns_its_estimated_prefill() -> None:
-    """Messages enqueued before loads counted decoding were charged the prefill alone."""
-    wire = {"v": 2, "shard": 0, "jobs": [["a", "d", [7, 8], {"max_tokens": 4}, 10]]}
-    assert BatchMessage.from_wire(wire).jobs[0].load == 10
+def test_batch_messages_carry_job_ids_and_nothing_that_decides_an_answer() -> None:
+    assert BatchMessage(0, ["a"], "m1").to_wire() == {"v": 3, "shard": 0, "jobs": ["a"]}
 
 
 @pytest.mark.parametrize("wire", [
-    None, [], {"v": 2}, {"v": 2, "shard": "0", "jobs": []},
-    # Version 1 carried the documents' tokens; it is refused like any other version.
-    {"v": 1, "shard": 0, "documents": {"d": [1]}, "jobs": [["a", "d", [1], {}, 1]]},
-    {"v": 3, "shard": 0, "jobs": []},
-    {"v": 2, "shard": 0, "jobs": [["a", "", [1], {}, 1]]},
-    {"v": 2, "shard": 0, "jobs": [["a", ["d"], [1], {}, 1]]},
-    {"v": 2, "shard": 0, "jobs": [["", "d", [1], {}, 1]]},
-    {"v": 2, "shard": 0, "jobs": [["a", "d", [1, -2], {}, 1]]},
-    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {"x": 1}, 1]]},
-    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}]]},
-    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}, 1, "2"]]},
-    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}, 1, 2, 3]]},
-    {"v": 2, "shard": True, "jobs": []},
-    {"v": 2, "shard": 0, "jobs": {"a": "d"}},
+    None, [], "not json at all", [1, 2, 3], {"v": 3}, {"v": 3, "shard": "0", "jobs": []},
+    # Version 2 carried questions, sampling and loads; it is refused like any other version.
+    {"v": 2, "shard": 0, "jobs": [["a", "d", [1], {}, 1, 1]]},
+    {"v": 3, "shard": 0, "jobs": [""]},
+    {"v": 3, "shard": 0, "jobs": ["a" * 65]},
+    {"v": 3, "shard": 0, "jobs": [["a", "d"]]},
+    {"v": 3, "shard": True, "jobs": []},
+    {"v": 3, "shard": 0, "jobs": {"a": "d"}},
 ])
 def test_messages_not_of_our_schema_are_refused(wire: object) -> None:
     with pytest.raises(MessageError):
-        BatchMessage.from_wire(wire)
+        BatchMessage.from_wire(wire, "m1")
 
 
 def test_batches_keep_a_documents_questions_together() -> None:
-    placed = [(0, _job("a1", "A")), (1, _job("b1", "B")), (0, _job("c1", "C")),
-              (0, _job("a2", "A")), (0, _job("c2", "C")), (0, _job("a3", "A"))]
+    placed = [PlacedJob("a1", 0, "A"), PlacedJob("b1", 1, "B"), PlacedJob("c1", 0, "C"),
+              PlacedJob("a2", 0, "A"), PlacedJob("c2", 0, "C"), PlacedJob("a3", 0, "A")]
     messages = form_batches(placed, batch_size=4)
-    assert [(m.shard, [j.job_id for j in m.jobs]) for m in messages] == [
+    assert [(m.shard, m.job_ids) for m in messages] == [
         (0, ["a1", "a2", "a3", "c1"]), (0, ["c2"]), (1, ["b1"])]
+    assert len({m.message_id for m in messages}) == 3

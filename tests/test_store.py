@@ -4,30 +4,26 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
-import redis
-from sqlalchemy import event, func, select, text
+from sqlalchemy import event, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from jobsvc import Client
-from jobsvc.affinity import EPOCH_KEY
 from jobsvc.compression import compress, pack_tokens
-from jobsvc.schema import JobStatus
+from jobsvc.schema import BatchMessage, JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
-from tests.conftest import TEST_DATABASE, record_queued_job, recreate_database
+from tests.conftest import TEST_MESSAGE, claim, queued_job_row, record_queued_job
 
 
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
     for _ in range(3):
-        assert set(store.claim_batch([job_id], "w", max_attempts=3)) == {job_id}
-    assert store.claim_batch([job_id], "w", max_attempts=3) == {}
+        assert set(claim(store, [job_id], redelivered=True)) == {job_id}
+    assert claim(store, [job_id], redelivered=True) == {}
     record = store.get_many([job_id])[job_id]
     assert record.status is JobStatus.FAILED
     assert "gave up after 3 deliveries" in (record.error or "")
@@ -61,13 +57,13 @@ def test_statements_on_listed_jobs_look_them_up_by_key_not_by_status(
     # Finished jobs leave entries in the status index until a vacuum; with a few hundred of
     # them the planner took to walking that index for a batch's claims and outcomes.
     history = [queued_job() for _ in range(500)]
-    store.claim_batch(history, "w", max_attempts=3)
+    claim(store, history)
     store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())
                            for job_id in history])
     job_ids = [queued_job() for _ in range(64)]
     batch = job_ids[:32]
     outcomes = [JobOutcome(job_id, "answer", None, 1, 0, utcnow()) for job_id in batch]
-    plans = [*_plans(store, lambda: store.claim_batch(batch, "w", max_attempts=3)),
+    plans = [*_plans(store, lambda: claim(store, batch)),
              *_plans(store, lambda: store.record_outcomes(outcomes)),
              *_plans(store, lambda: store.count_unfinished(batch)),
              *_plans(store, lambda: store.cancel(job_ids[-1]))]
@@ -84,7 +80,7 @@ def test_statements_repeated_on_one_connection_are_planned_for_the_table_as_it_i
     try:
         for _ in range(16):
             job_id = record_queued_job(store)
-            store.claim_batch([job_id], "w", max_attempts=3)
+            claim(store, [job_id])
             store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
             store.count_unfinished([job_id])
         with store.engine.connect() as connection:
@@ -101,7 +97,7 @@ def test_statements_repeated_on_one_connection_are_planned_for_the_table_as_it_i
 def test_a_second_outcome_for_a_finished_job_changes_nothing(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_batch([job_id], "w", max_attempts=3)
+    claim(store, [job_id])
     first = JobOutcome(job_id, "first answer", None, 3, 0, utcnow())
     store.record_outcomes([first])
     store.record_outcomes([JobOutcome(job_id, "second answer", None, 5, 0, utcnow()),
@@ -114,7 +110,7 @@ def test_a_second_outcome_for_a_finished_job_changes_nothing(
 def test_a_result_records_when_it_was_written_beside_when_the_engine_finished(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_batch([job_id], "w", max_attempts=3)
+    claim(store, [job_id])
     engine_finished = utcnow() - timedelta(minutes=1)
     before = utcnow()
     store.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, engine_finished)])
@@ -133,7 +129,7 @@ def _batch_stats(worker: str, jobs: int) -> dict[str, Any]:
 def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
-    store.claim_batch([job_id], "w", max_attempts=3)
+    claim(store, [job_id])
     outcome = JobOutcome(job_id, "answer", None, 2, 0, utcnow())
     unwritable = {**_batch_stats("w", 1), "jobs": None}
     with pytest.raises(IntegrityError):
@@ -147,52 +143,6 @@ def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
                                   .where(BatchStat.worker == worker)).scalar_one() == 1
 
 
-def test_stale_jobs_are_those_of_another_redis_epoch(
-        store: Store, queued_job: Callable[[], str]) -> None:
-    job_id = queued_job()
-    assert job_id not in {row["job_id"] for row in store.stale_jobs("e", 10_000)}
-    assert job_id in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
-    store.mark_requeued({job_id: 0}, "new-epoch")
-    assert job_id not in {row["job_id"] for row in store.stale_jobs("new-epoch", 10_000)}
-
-
-def _record_lost_jobs(repository: Store, frames: dict[str, bytes]) -> dict[str, str]:
-    """Records one queued job per document text frame, under an epoch of a Redis that is
-    gone; returns the job IDs by frame name."""
-    keys = {name: uuid.uuid4().hex for name in frames}
-    jobs = {name: uuid.uuid4().hex for name in frames}
-    repository.record_submitted(
-        [{"key": keys[name], "text_zst": frame, "tokens_zst": pack_tokens([5, 6, 7]),
-          "tokens": 3, "created_at": utcnow()} for name, frame in frames.items()],
-        [{"id": jobs[name], "document_key": keys[name], "question": "How many cats?",
-          "sampling": {"max_tokens": 4}, "shard": 0, "status": "queued", "prompt_tokens": 10,
-          "estimated_prefill": 10, "submitted_at": utcnow(), "redis_epoch": "lost-redis"}
-         for name in frames])
-    return jobs
-
-
-def test_a_lost_job_whose_document_does_not_read_back_fails_alone_and_the_rest_are_requeued(
-        routing_settings: Settings) -> None:
-    # A database of its own: requeueing takes every stale job it finds.
-    settings = replace(routing_settings, database_url=recreate_database(TEST_DATABASE + "_requeue"))
-    repository = Store(settings.resolved_database_url)
-    jobs = _record_lost_jobs(repository, {
-        "readable": compress(b"The keeper counted seven cats on the pier."),
-        "not zstd": b"plain bytes", "not UTF-8": compress(b"\xff\xfe broken")})
-    try:
-        with Client(settings=settings) as client:
-            assert client.requeue_stale() == 1
-            records = {name: client.get(job_id) for name, job_id in jobs.items()}
-            # The readable job now belongs to this Redis: nothing is stale any more.
-            assert client.requeue_stale() == 0
-    finally:
-        repository.dispose()
-    assert records["readable"].status is JobStatus.QUEUED
-    for name in ("not zstd", "not UTF-8"):
-        assert records[name].status is JobStatus.FAILED
-        assert "does not read back" in (records[name].error or "")
-
-
 def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fails(
         store: Store) -> None:
     stored = {"tokens": pack_tokens([5, 6, 7]), "none": None, "unreadable": b"garbage",
@@ -203,11 +153,9 @@ def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fa
         [{"key": documents[name], "tokens_zst": tokens_zst, "tokens": 3, "created_at": utcnow(),
           "text_zst": b"garbage" if name == "nothing" else compress(f"text of {name}".encode())}
          for name, tokens_zst in stored.items()],
-        [{"id": job_id, "document_key": documents[name.removesuffix("-again")],
-          "question": "q", "sampling": {}, "shard": 0, "status": "queued", "prompt_tokens": 4,
-          "estimated_prefill": 4, "submitted_at": utcnow(), "redis_epoch": "e"}
+        [queued_job_row(job_id, documents[name.removesuffix("-again")])
          for name, job_id in jobs.items()])
-    assert store.claim_batch([*jobs.values(), uuid.uuid4().hex], "w", max_attempts=3) == {
+    assert claim(store, [*jobs.values(), uuid.uuid4().hex]) == {
         jobs["tokens"]: (5, 6, 7), jobs["tokens-again"]: (5, 6, 7),
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
     record = store.get_many([jobs["nothing"]])[jobs["nothing"]]
@@ -222,9 +170,7 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
     store.record_submitted(
         [{"key": key, "text_zst": compress(b"text"), "tokens_zst": pack_tokens(tokens),
           "tokens": 3, "created_at": utcnow()} for key, tokens in documents.items()],
-        [{"id": job_id, "document_key": key, "question": "q", "sampling": {}, "shard": 0,
-          "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
-          "submitted_at": utcnow(), "redis_epoch": "e"} for job_id, key in jobs.items()])
+        [queued_job_row(job_id, key) for job_id, key in jobs.items()])
     document_rows: list[int] = []
 
     def count_document_rows(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
@@ -234,7 +180,7 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
 
     event.listen(store.engine, "after_cursor_execute", count_document_rows)
     try:
-        read = store.claim_batch(list(jobs), "w", max_attempts=3)
+        read = claim(store, list(jobs))
     finally:
         event.remove(store.engine, "after_cursor_execute", count_document_rows)
     assert read == {job_id: documents[key] for job_id, key in jobs.items()}
@@ -251,7 +197,7 @@ def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(
     # PostgreSQL takes the IDs as one array parameter, SQLite as an IN list.
     for repository in (store, embedded):
         ids = [record_queued_job(repository) for _ in range(3)]
-        assert set(repository.claim_batch(ids[:2], "w", max_attempts=3)) == set(ids[:2])
+        assert set(claim(repository, ids[:2])) == set(ids[:2])
         repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
         assert repository.statuses([*ids, "unknown"]) == {
             ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING, ids[2]: JobStatus.QUEUED}
@@ -266,7 +212,7 @@ def test_a_job_that_ends_twice_in_one_gathering_keeps_its_first_ending_on_both_d
     # PostgreSQL records a gathering in one statement from arrays, SQLite row by row.
     for repository in (store, embedded):
         answered, failed = (record_queued_job(repository) for _ in range(2))
-        repository.claim_batch([answered, failed], "w", max_attempts=3)
+        claim(repository, [answered, failed])
         repository.record_outcomes([
             JobOutcome(answered, "first", None, 2, 0, utcnow()),
             JobOutcome(failed, None, "engine error", 0, 0, utcnow()),
@@ -285,14 +231,14 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
     # COPY escapes, nested sampling settings and the timestamp must read back unchanged.
     submitted = utcnow()
     columns = ("id", "document_key", "question", "sampling", "shard", "status",
-               "prompt_tokens", "estimated_prefill", "submitted_at", "redis_epoch")
+               "prompt_tokens", "estimated_prefill", "load", "submitted_at", "message_id")
     for repository in (store, embedded):
         key = uuid.uuid4().hex
         jobs = [{"id": uuid.uuid4().hex, "document_key": key, "question": question,
                  "sampling": sampling, "shard": shard, "status": "queued",
-                 "prompt_tokens": 10 + shard, "estimated_prefill": 5, "submitted_at": submitted,
-                 "redis_epoch": epoch}
-                for question, sampling, shard, epoch in [
+                 "prompt_tokens": 10 + shard, "estimated_prefill": 5, "load": 7,
+                 "submitted_at": submitted, "message_id": message}
+                for question, sampling, shard, message in [
                     ("tab\there, newline\nthere, back\\slash and \\N", {"stop": ["\n", "\\."]}, 0,
                      "e1"),
                     ("Ünïcødé — ✓", {"max_tokens": 4, "temperature": 0.5, "ignore_eos": True}, 1,
@@ -312,28 +258,63 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
             job["id"]: JobStatus.QUEUED for job in jobs}
 
 
-def test_a_redis_epoch_whose_lost_jobs_were_all_found_is_not_searched_again_until_a_restart(
-        routing_settings: Settings) -> None:
-    settings = replace(routing_settings, database_url=recreate_database(TEST_DATABASE + "_requeue"))
-    repository = Store(settings.resolved_database_url)
-    text = compress(b"The keeper counted seven cats on the pier.")
-    broker = redis.Redis.from_url(settings.redis_url)
-    try:
-        with Client(settings=settings) as client:
-            first = _record_lost_jobs(repository, {"first": text})["first"]
-            assert client.requeue_stale() == 1
-            # Such a job cannot appear under a reconciled epoch (a job is recorded before its
-            # message is sent); that this one stays put shows the round did not search.
-            later = _record_lost_jobs(repository, {"later": text})["later"]
-            assert client.requeue_stale() == 0
-            epoch = broker.get(EPOCH_KEY).decode()
-            assert [row["job_id"] for row in repository.stale_jobs(epoch, 10)] == [later]
-            # A restart takes the epoch: every unfinished job is searched for again.
-            broker.delete(EPOCH_KEY)
-            assert client.requeue_stale() == 2
-            assert repository.stale_jobs(broker.get(EPOCH_KEY).decode(), 10) == []
-            assert {client.get(job_id).status for job_id in (first, later)} == {
-                JobStatus.QUEUED}
-    finally:
-        repository.dispose()
-        broker.close()
+def test_only_a_jobs_own_message_on_its_own_shard_claims_it(store: Store) -> None:
+    own, elsewhere, other_message = (record_queued_job(store) for _ in range(3))
+    with store.engine.begin() as connection:
+        connection.execute(update(Job).where(Job.id == elsewhere).values(shard=3))
+        connection.execute(update(Job).where(Job.id == other_message).values(message_id="x"))
+    assert set(claim(store, [own, elsewhere, other_message])) == {own}
+    # A copy of the message, not a redelivery, finds the job running and leaves it alone.
+    assert claim(store, [own]) == {}
+    assert set(claim(store, [own], redelivered=True)) == {own}
+    store.record_outcomes([JobOutcome(own, "answer", None, 1, 0, utcnow())])
+    assert claim(store, [own], redelivered=True) == {}
+    records = store.get_many([own, elsewhere, other_message])
+    assert [records[job].status for job in (own, elsewhere, other_message)] == [
+        JobStatus.SUCCEEDED, JobStatus.QUEUED, JobStatus.QUEUED]
+
+
+def test_a_claim_reads_the_recorded_question_tokens_or_else_the_question_text(
+        store: Store) -> None:
+    tokens, text = record_queued_job(store, question_tokens_zst=pack_tokens([9, 8])), \
+        record_queued_job(store, question_tokens_zst=b"not a frame")
+    claimed = store.claim_batch([tokens, text], message_id=TEST_MESSAGE, shard=0,
+                                redelivered=False, worker="w", max_attempts=3)
+    assert {job.job_id: job.question for job in claimed.jobs} == {tokens: (9, 8), text: "q"}
+
+
+def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: Store) -> None:
+    answered, cancelled, exhausted = (record_queued_job(store, load=load)
+                                      for load in (10, 20, 40))
+    claim(store, [answered])
+    outcome = JobOutcome(answered, "answer", None, 1, 0, utcnow())
+    assert store.record_outcomes([outcome, outcome]) == {0: 10}
+    assert store.record_outcomes([outcome]) == {}
+    assert store.cancel(cancelled) == {0: 20}
+    assert store.cancel(cancelled) is None
+    for _ in range(3):
+        claim(store, [exhausted], redelivered=True)
+    given_up = store.claim_batch([exhausted], message_id=TEST_MESSAGE, shard=0,
+                                 redelivered=True, worker="w", max_attempts=3)
+    assert (given_up.jobs, given_up.released) == ([], {0: 40})
+
+
+def test_stranded_jobs_are_unfinished_ones_sent_before_the_grace_whose_message_is_not_live(
+        store: Store) -> None:
+    old = utcnow() - timedelta(minutes=5)
+    live, lost, young, finished = (record_queued_job(store, enqueued_at=moment, message_id=name)
+                                   for name, moment in [("live", old), ("lost", old),
+                                                        ("young", utcnow()), ("done", old)])
+    store.cancel(finished)
+    cutoff = utcnow() - timedelta(minutes=1)
+    stranded = store.stranded_jobs(cutoff, ["live"], 10_000).get(0, [])
+    assert lost in stranded
+    assert not {live, young, finished} & set(stranded)
+    store.assign_messages([BatchMessage(0, [lost, finished], "resent")])
+    records = store.get_many([lost, finished])
+    assert (records[lost].status, records[finished].status) == (
+        JobStatus.QUEUED, JobStatus.CANCELLED)
+    # Sent again just now: within the grace, and its new message is the one to look for.
+    assert lost not in store.stranded_jobs(cutoff, [], 10_000).get(0, [])
+    assert lost in store.stranded_jobs(utcnow(), ["live"], 10_000).get(0, [])
+    assert lost not in store.stranded_jobs(utcnow(), ["resent"], 10_000).get(0, [])

@@ -1,22 +1,22 @@
-"""The batch loop: one Celery task per micro-batch message. It refuses what is not ours, skips
-jobs cancelled while queued, reads the documents of the rest from the store, admits them to
-the engine at once, and returns (so the message is acknowledged) only when every result is
-committed."""
+"""The batch loop: one Celery task per micro-batch message. It refuses what is not ours,
+claims the jobs the message may run and reads everything they run from the store (the message
+only names them), admits them to the engine at once, and returns (so the message is
+acknowledged) only when every result is committed."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.prompts import PromptBuilder
-from jobsvc.schema import BatchMessage, MessageError, QueuedJob
-from jobsvc.store import JobOutcome, Store
+from jobsvc.schema import BatchMessage, MessageError
+from jobsvc.store import ClaimedJob, JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
@@ -39,19 +39,20 @@ class BatchRunner:
         self._first_admission: float | None = None
         self._lock = threading.Lock()
 
-    def run(self, payload: Any) -> dict[str, int]:
-        """Run one batch message; returns counts for the task's log line."""
+    def run(self, payload: Any, message_id: str, redelivered: bool) -> dict[str, int]:
+        """Run one batch message; returns counts for the task's log line. `redelivered`: the
+        broker sends the message again because the worker that had it stopped."""
         try:
-            message = BatchMessage.from_wire(payload)
+            message = BatchMessage.from_wire(payload, message_id)
         except MessageError as error:
-            log.error("shard %d refused a message: %s", self.shard, error)
+            log.error("shard %d refused message %s: %s", self.shard, message_id, error)
             return {"refused": 1}
         if message.shard != self.shard:
-            log.warning("shard %d got a batch addressed to shard %d; running it anyway",
-                        self.shard, message.shard)
-        jobs, requests, checks = self._claim(message)
-        loads = {job.job_id: job.load for job in jobs}
-        completion = Completion(len(jobs))
+            log.warning("shard %d got message %s addressed to shard %d; only jobs recorded "
+                        "for this shard run", self.shard, message_id, message.shard)
+        jobs = self._claim(message, redelivered)
+        requests, checks = self._requests(jobs)
+        completion = Completion(len(requests))
         results: list[EngineResult] = []
         started = time.time()
 
@@ -59,19 +60,17 @@ class BatchRunner:
             results.append(result)
             with self._lock:
                 self._running.discard(result.job_id)
-            self._recorder.job_finished(_outcome(result), message.shard,
-                                        loads[result.job_id], checks[result.job_id],
+            self._recorder.job_finished(_outcome(result), self.shard, checks[result.job_id],
                                         completion)
 
         with self._lock:
-            self._running.update(loads)
             if requests and self._first_admission is None:
                 self._first_admission = started
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
-            self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
-        return {"jobs": len(jobs), "skipped": len(message.jobs) - len(jobs)}
+            self._recorder.batch_finished(self._batch_stats(started, results))
+        return {"jobs": len(requests), "skipped": len(message.job_ids) - len(requests)}
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """Wait out a database outage: the message stays unacknowledged (and its lease
@@ -86,38 +85,49 @@ class BatchRunner:
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
 
-    def _claim(self, message: BatchMessage
-               ) -> tuple[list[QueuedJob], list[EngineRequest], dict[str, CacheCheck]]:
-        """Claim the message's jobs; return those that run, their engine requests, and what
-        each one's cache hit is checked against. Jobs that will not run (cancelled, finished,
-        or failed by the claim) are skipped. A document's tokens are one tuple that all its
-        questions' requests share (see EngineRequest)."""
-        documents = self._claimed_documents(message.jobs)
-        skipped = [job for job in message.jobs if job.job_id not in documents]
-        if skipped:
-            log.info("shard %d skips %d jobs that will not run (cancelled, finished, or "
-                     "failed at their claim)", self.shard, len(skipped))
-            self._recorder.release_load(message.shard, sum(job.load for job in skipped))
-        jobs = [job for job in message.jobs if job.job_id in documents]
-        requests = [EngineRequest(job.job_id, documents[job.job_id],
-                                  tuple(job.question_tokens), job.sampling) for job in jobs]
+    def _claim(self, message: BatchMessage, redelivered: bool) -> list[ClaimedJob]:
+        """Claim the jobs this message may run, leaving out any this worker already runs (a
+        copy of a message it is running); the claim returns the load of jobs it ended
+        instead (given up, or unreadable), and that goes back to the router."""
+        with self._lock:
+            job_ids = [job_id for job_id in message.job_ids if job_id not in self._running]
+        claim = self._retrying(f"claim {len(job_ids)} jobs", lambda: self._store.claim_batch(
+            job_ids, message_id=message.message_id, shard=self.shard, redelivered=redelivered,
+            worker=self.worker_name, max_attempts=self.max_attempts))
+        self._recorder.release_load(claim.released)
+        with self._lock:
+            # Another thread may have claimed some of them meanwhile (a copy of this message
+            # redelivered at once): the first keeps them.
+            jobs = [job for job in claim.jobs if job.job_id not in self._running]
+            self._running.update(job.job_id for job in jobs)
+        if len(jobs) < len(message.job_ids):
+            log.info("shard %d skips %d of message %s's jobs (finished, cancelled, running, "
+                     "or not this message's)", self.shard, len(message.job_ids) - len(jobs),
+                     message.message_id)
+        return jobs
+
+    def _requests(self, jobs: list[ClaimedJob]
+                  ) -> tuple[list[EngineRequest], dict[str, CacheCheck]]:
+        """Engine requests for claimed jobs, and what each one's cache hit is checked
+        against. A document's tokens are one tuple that all its questions' requests share
+        (see EngineRequest); text stored without tokens is tokenized here as the producer
+        did."""
+        documents = self._tokenized([job.document for job in jobs], self._prompts.documents)
+        questions = self._tokenized([job.question for job in jobs], self._prompts.questions)
+        requests = [EngineRequest(job.job_id, document, question, job.sampling)
+                    for job, document, question in zip(jobs, documents, questions, strict=True)]
         checks = {request.job_id: CacheCheck(
             request.prompt_tokens - job.estimated_prefill, len(request.prefix))
             for job, request in zip(jobs, requests, strict=True)}
-        return jobs, requests, checks
+        return requests, checks
 
-    def _claimed_documents(self, jobs: Sequence[QueuedJob]) -> dict[str, tuple[int, ...]]:
-        """Claim these jobs; the document tokens of those that may run, by job ID, from the
-        store (messages do not carry documents). A document stored without tokens is
-        tokenized here as the producer did."""
-        job_ids = [job.job_id for job in jobs]
-        stored = self._retrying(f"claim {len(job_ids)} jobs", lambda: (
-            self._store.claim_batch(job_ids, self.worker_name, self.max_attempts)))
-        texts = list(dict.fromkeys(doc for doc in stored.values() if isinstance(doc, str)))
-        tokenized = {text: tuple(tokens) for text, tokens
-                     in zip(texts, self._prompts.documents(texts), strict=True)}
-        return {job_id: tokenized[doc] if isinstance(doc, str) else doc
-                for job_id, doc in stored.items()}
+    @staticmethod
+    def _tokenized(parts: list[tuple[int, ...] | str],
+                   tokenize: Callable[[list[str]], list[list[int]]]) -> list[tuple[int, ...]]:
+        """Each part's tokens, tokenizing each distinct text once."""
+        texts = list(dict.fromkeys(part for part in parts if isinstance(part, str)))
+        tokenized = {text: tuple(ids) for text, ids in zip(texts, tokenize(texts), strict=True)}
+        return [tokenized[part] if isinstance(part, str) else part for part in parts]
 
     def take_first_admission(self) -> float | None:
         """When (`time.time()`) the earliest batch since the last call went to the engine,
@@ -133,13 +143,12 @@ class BatchRunner:
             log.info("shard %d aborts cancelled job %s", self.shard, job_id)
             self._engine.abort(job_id)
 
-    def _batch_stats(self, shard: int, started: float,
-                     results: list[EngineResult]) -> dict[str, Any]:
+    def _batch_stats(self, started: float, results: list[EngineResult]) -> dict[str, Any]:
         finished = max(result.finished_at for result in results)
         wall = max(finished - started, 1e-9)
         completion_tokens = sum(result.completion_tokens for result in results)
         return {
-            "worker": self.worker_name, "shard": shard, "jobs": len(results),
+            "worker": self.worker_name, "shard": self.shard, "jobs": len(results),
             "prompt_tokens": sum(result.prompt_tokens for result in results),
             "completion_tokens": completion_tokens,
             "cached_tokens": sum(result.cached_tokens for result in results),

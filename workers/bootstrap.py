@@ -133,9 +133,12 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     from workers.celery_app import create_worker_app, worker_name
 
     app = create_worker_app(settings, shard)
-    app.worker_main([
+    # Celery's command returns the worker's exit code instead of exiting with it: pass it on,
+    # so a supervisor that restarts a failed worker sees an unrecoverable error as one.
+    exit_code = app.start([
         "worker", "--queues", queue_name(shard), "--pool", "threads",
         "--concurrency", str(settings.worker_concurrency), "--hostname", worker_name(shard),
         "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
         "--heartbeat-interval", str(HEARTBEAT_SECONDS),
     ])
+    raise SystemExit(exit_code or 0)

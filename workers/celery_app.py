@@ -15,8 +15,9 @@ import redis
 from celery import Celery, signals
 
 from jobsvc.affinity import ShardState
-from jobsvc.client import CANCEL_CHANNEL, Client
+from jobsvc.client import CANCEL_CHANNEL
 from jobsvc.prompts import PromptBuilder
+from jobsvc.reconcile import Reconciler
 from jobsvc.routers import CacheFeedback
 from jobsvc.routing import queue_name
 from jobsvc.settings import Settings
@@ -42,7 +43,7 @@ EXIT_ENGINE_DEAD = 70
 
 class WorkerRuntime:
     """Everything a worker holds for its lifetime: engine, store, recorder, leases, the
-    cancel listener and the reconciler that requeues jobs lost with a restarted Redis."""
+    cancel listener and the reconciler that sends stranded jobs again."""
 
     def __init__(self, settings: Settings, shard: int) -> None:
         self.settings = settings
@@ -51,7 +52,7 @@ class WorkerRuntime:
         self.collections = CollectionWindow()
         self.gc_pauses = GcPauseMeter(working=lambda: self.collections.running)
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
-        broker_fixes.install(self._redis)
+        broker_fixes.install(self._redis, queue_name(shard))
         self._store = Store(settings.resolved_database_url)
         self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
                                     on_engine_dead=self._engine_died)
@@ -60,6 +61,7 @@ class WorkerRuntime:
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
+        self._reconciler = Reconciler(settings, self._redis, self._store, make_celery(settings))
         self._stopped = threading.Event()
         self._background = [
             threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
@@ -117,12 +119,11 @@ class WorkerRuntime:
                 self._stopped.wait(1.0)
 
     def _reconcile(self) -> None:
-        with Client(settings=self.settings) as client:
-            while not self._stopped.wait(self.settings.requeue_interval):
-                try:
-                    client.requeue_stale()
-                except Exception as error:
-                    log.warning("reconciler: %s: %s", type(error).__name__, error)
+        while not self._stopped.wait(self.settings.requeue_interval):
+            try:
+                self._reconciler.run_round()
+            except Exception as error:
+                log.warning("reconciler: %s: %s", type(error).__name__, error)
 
 
 def create_worker_app(settings: Settings, shard: int) -> Celery:
@@ -148,13 +149,15 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
     def run_batch(task: Any, payload: Any) -> dict[str, int]:
         if runtime.runner is None:
             raise RuntimeError("run_batch before the worker started its engine")
-        tag = (task.request.properties or {}).get("delivery_tag")
+        request = task.request
+        tag = (request.properties or {}).get("delivery_tag")
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
         with runtime.collections.busy():
             if tag is None:
-                return runtime.runner.run(payload)
+                return runtime.runner.run(payload, request.id, redelivered)
             runtime.leases.hold(tag)
             try:
-                return runtime.runner.run(payload)
+                return runtime.runner.run(payload, request.id, redelivered)
             finally:
                 runtime.leases.release(tag)
 

@@ -1,5 +1,6 @@
 """Records finished jobs off the engine's path: one thread gathers finished results, writes
-them in one transaction per gathering, returns the shards' load, tells the router how its
+them in one transaction per gathering, returns the load of the jobs that write ended (as the
+store recorded it, never as a message said), tells the router how its
 cache estimates for them held up, and only then releases the batch that waits for them (its
 message is acknowledged after that, so nothing finished is lost).
 
@@ -10,7 +11,6 @@ for all of them."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -104,17 +104,18 @@ class ResultRecorder:
             self._wake.notify()
         self._thread.join()
 
-    def job_finished(self, outcome: JobOutcome, shard: int, load: int, check: CacheCheck,
+    def job_finished(self, outcome: JobOutcome, shard: int, check: CacheCheck,
                      completion: Completion) -> None:
-        self._gather(("job", (outcome, shard, load, check, completion)),
+        self._gather(("job", (outcome, shard, check, completion)),
                      completes_batch=completion.finished())
 
     def batch_finished(self, row: dict[str, Any]) -> None:
         self._gather(("batch", row))
 
-    def release_load(self, shard: int, load: int) -> None:
-        """Return the load of jobs that will not run (cancelled while queued)."""
-        self._gather(("release", (shard, load)))
+    def release_load(self, releases: dict[int, int]) -> None:
+        """Return the load of jobs that ended without running (failed at their claim)."""
+        if releases:
+            self._gather(("release", releases))
 
     def _gather(self, item: tuple[str, Any], completes_batch: bool = False) -> None:
         with self._wake:
@@ -148,12 +149,10 @@ class ResultRecorder:
             pending.batch_stats.append(payload)
             return
         if kind == "release":
-            shard, load = payload
-            pending.releases[shard] = pending.releases.get(shard, 0) + load
+            _add_loads(pending.releases, payload)
             return
-        outcome, shard, load, check, completion = payload
+        outcome, shard, check, completion = payload
         pending.outcomes.append(outcome)
-        pending.releases[shard] = pending.releases.get(shard, 0) + load
         if outcome.error is None:
             error, floor = pending.cache_errors.get(shard, (0, 0))
             pending.cache_errors[shard] = (
@@ -164,7 +163,7 @@ class ResultRecorder:
 
     def _write(self, pending: _Pending) -> None:
         if pending.outcomes or pending.batch_stats:
-            self._record_until_done(pending)
+            _add_loads(pending.releases, self._record_until_done(pending))
         try:
             self._shard_state.release(pending.releases)
             self._feedback.jobs_ran(pending.cache_errors)
@@ -174,16 +173,23 @@ class ResultRecorder:
         for completion, count in pending.completions.values():
             completion.committed(count)
 
-    def _record_until_done(self, pending: _Pending) -> None:
+    def _record_until_done(self, pending: _Pending) -> dict[int, int]:
         """Write until it succeeds: a database outage delays results, it never drops them
-        (outcome writes are idempotent, so a retry after a partial success is harmless)."""
-        for attempt in itertools.count():
+        (outcome writes are idempotent, so a retry after a partial success is harmless).
+        Returns the load of the jobs the write ended, by shard."""
+        attempt = 0
+        while True:
             try:
-                self._store.record_outcomes(pending.outcomes, pending.batch_stats)
-                return
+                return self._store.record_outcomes(pending.outcomes, pending.batch_stats)
             except Exception as error:
                 delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
                 reason = str(error).splitlines()[0][:300]
                 log.warning("recording %d results failed (%s: %s); retrying in %.1f s",
                             len(pending.outcomes), type(error).__name__, reason, delay)
                 time.sleep(delay)
+                attempt += 1
+
+
+def _add_loads(into: dict[int, int], loads: dict[int, int]) -> None:
+    for shard, load in loads.items():
+        into[shard] = into.get(shard, 0) + load

@@ -1,0 +1,141 @@
+"""Reconciliation: the store is the record of every job, and this keeps Redis true to it.
+
+A round finds unfinished jobs whose one queue message is nowhere in Redis (neither waiting in
+a shard queue nor held by a worker) and sends them again; this covers a restarted Redis, a
+producer killed between recording and enqueueing, and a message a worker refused or dropped.
+It also returns shard load that no unfinished job holds any more (a producer that charged and
+died, a worker that ended jobs and lost Redis before returning their load). Workers run a
+round every `requeue_interval` seconds; a Redis lock keeps two from running one at a time.
+Everything it reads scales with the unfinished jobs and the queued messages, not with the
+finished jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import redis
+from celery import Celery
+
+from jobsvc.affinity import ShardState
+from jobsvc.batching import PlacedJob, form_batches
+from jobsvc.routing import queue_name
+from jobsvc.settings import Settings
+from jobsvc.store import Store, utcnow
+from jobsvc.transport import UNACKED_KEY, publish
+
+log = logging.getLogger(__name__)
+
+# Held by the reconciler running a round.
+RECONCILE_LOCK_KEY = "jobsvc:reconcile-lock"
+# A message moves from a queue to a worker's leases, and back, in two steps: a second look
+# after this pause keeps one caught between them from being taken for lost.
+_SECOND_LOOK_SECONDS = 0.5
+_MOST_JOBS_PER_ROUND = 10_000
+
+
+@dataclass
+class RoundReport:
+    requeued: int = 0
+    # Load added (positive) or returned (negative) per shard.
+    load_corrected: dict[int, int] = field(default_factory=dict)
+
+
+def message_ids(raw_messages: Iterable[bytes]) -> set[str]:
+    """The task IDs of kombu envelopes as the Redis transport stores them: a queued message
+    is the envelope, a leased one `[envelope, exchange, routing_key]`. Anything else (raw
+    garbage pushed into a queue) names no message."""
+    ids: set[str] = set()
+    for raw in raw_messages:
+        try:
+            item = json.loads(raw)
+        except ValueError:
+            continue
+        envelope = item[0] if isinstance(item, list) and item else item
+        headers = envelope.get("headers") if isinstance(envelope, dict) else None
+        task_id = headers.get("id") if isinstance(headers, dict) else None
+        if isinstance(task_id, str):
+            ids.add(task_id)
+    return ids
+
+
+class Reconciler:
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store,
+                 celery: Celery) -> None:
+        self._settings = settings
+        self._redis = client
+        self._store = store
+        self._celery = celery
+        self._shard_state = ShardState(client, settings.shards)
+        # Each shard's store-minus-Redis load difference at the last round: only a difference
+        # that persists across two rounds is corrected, since submits and finishing jobs
+        # change the two sides a moment apart.
+        self._last_drift: dict[int, int] = {}
+
+    def run_round(self) -> RoundReport:
+        """One round, unless another reconciler is in one; returns what it changed."""
+        lock = self._redis.lock(RECONCILE_LOCK_KEY, timeout=300, blocking=False)
+        if not lock.acquire():
+            return RoundReport()
+        try:
+            return RoundReport(self._requeue_stranded(), self._correct_load())
+        finally:
+            lock.release()
+
+    def _live_messages(self, shards: Iterable[int]) -> set[str]:
+        with self._redis.pipeline(transaction=True) as pipe:
+            for shard in shards:
+                pipe.lrange(queue_name(shard), 0, -1)
+            pipe.hvals(UNACKED_KEY)
+            replies = pipe.execute()
+        return message_ids(raw for reply in replies for raw in reply)
+
+    def _requeue_stranded(self) -> int:
+        sent_before = utcnow() - timedelta(seconds=self._settings.stranded_grace)
+        shards = set(range(self._settings.shards)) | set(self._store.active_load())
+        live = self._live_messages(shards)
+        if not self._store.stranded_jobs(sent_before, live, 1):
+            return 0
+        time.sleep(_SECOND_LOOK_SECONDS)
+        live |= self._live_messages(shards)
+        stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND)
+        # The jobs' documents are recorded: a message's jobs only need to stand together.
+        messages = form_batches([PlacedJob(job_id, shard, "") for shard, job_ids
+                                 in stranded.items() for job_id in job_ids],
+                                self._settings.batch_size)
+        if not messages:
+            return 0
+        # Recorded first: should the send fail, the next round finds the jobs again.
+        self._store.assign_messages(messages)
+        publish(self._celery, messages)
+        count = sum(len(message.job_ids) for message in messages)
+        log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
+                    count)
+        return count
+
+    def _correct_load(self) -> dict[int, int]:
+        true_loads = self._store.active_load()
+        recorded = self._shard_state.loads()
+        corrections: dict[int, tuple[int, int]] = {}
+        drift: dict[int, int] = {}
+        for shard in true_loads.keys() | recorded.keys():
+            true_load, now = true_loads.get(shard, 0), recorded.get(shard, 0)
+            if now is None:
+                corrections[shard] = (0, true_load)
+                continue
+            drift[shard] = true_load - now
+            last = self._last_drift.get(shard, 0)
+            if drift[shard] * last > 0:
+                step = min(abs(drift[shard]), abs(last))
+                corrections[shard] = (step if drift[shard] > 0 else -step, true_load)
+        self._last_drift = drift
+        self._shard_state.correct(corrections)
+        if corrections:
+            log.warning("corrected shard loads that no unfinished job accounted for: %s",
+                        {shard: delta for shard, (delta, _) in corrections.items()})
+        return {shard: delta for shard, (delta, _) in corrections.items()}

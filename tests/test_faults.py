@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,12 +19,12 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from jobsvc import Client, JobStatus, StorageUnavailable
+from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
-from jobsvc.local import LocalWorkers
+from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.routing import queue_name
-from jobsvc.schema import BatchMessage, QueuedJob
+from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Result, Store, utcnow
 from jobsvc.transport import make_celery, publish
@@ -49,8 +51,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     postgres = PrivatePostgres(5441)
     postgres.start()
     settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                 requeue_interval=2, max_attempts=3, batch_size=32,
-                                 worker_concurrency=4, visibility_timeout=8)
+                                 requeue_interval=2, stranded_grace=5, max_attempts=3,
+                                 batch_size=32, worker_concurrency=4, visibility_timeout=8)
     upgrade_to_head(postgres.url)
     workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
     try:
@@ -144,18 +146,18 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
 def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]) -> list[str]:
     """Record one job per document, stored as given (text frame, token frame) as no producer
     would store it, and enqueue them all in one batch message; returns the job IDs."""
-    epoch = redis.Redis.from_url(harness.settings.redis_url).get("jobsvc:epoch").decode()
     job_ids = {key: uuid.uuid4().hex for key in documents}
+    message = BatchMessage(0, list(job_ids.values()), uuid.uuid4().hex)
     store = Store(harness.settings.resolved_database_url)
     store.record_submitted(
         [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
           "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()],
-        [{"id": job_ids[key], "document_key": key, "question": "?", "sampling": {},
-          "shard": 0, "status": "queued", "prompt_tokens": 4, "estimated_prefill": 4,
-          "submitted_at": utcnow(), "redis_epoch": epoch} for key in documents])
+        [{"id": job_ids[key], "document_key": key, "question": "?", "sampling": {"max_tokens": 4},
+          "question_tokens_zst": pack_tokens([5]), "shard": 0, "status": "queued",
+          "prompt_tokens": 4, "estimated_prefill": 4, "load": 4,
+          "message_id": message.message_id, "submitted_at": utcnow(),
+          "enqueued_at": utcnow()} for key in documents])
     store.dispose()
-    message = BatchMessage(0, [QueuedJob(job_id, key, [5], {"max_tokens": 4}, 4, 4)
-                               for key, job_id in job_ids.items()])
     publish(make_celery(harness.settings), [message])
     return list(job_ids.values())
 
@@ -219,6 +221,10 @@ def test_postgres_down_for_20_seconds_mid_burst_loses_nothing(harness: Harness) 
         with pytest.raises(StorageUnavailable, match="nothing was enqueued"):
             client.submit("a document while the database is down", "is it kept?")
         assert broker.llen(queue_name(0)) == queued_before
+        with pytest.raises(StorageUnavailable):
+            client.get(ids[0])
+        with pytest.raises(StorageUnavailable):
+            client.wait(ids, timeout=5)
         time.sleep(20)
     finally:
         harness.postgres.start()
@@ -234,8 +240,11 @@ def test_redis_restart_mid_burst_requeues_what_it_lost(harness: Harness) -> None
     broker = redis.Redis.from_url(harness.settings.redis_url)
     assert broker.llen(queue_name(0)) > 0
     harness.redis_server.stop()
-    time.sleep(1)
-    harness.redis_server.start()
+    try:
+        with pytest.raises(BrokerUnavailable):
+            client.submit("a document while Redis is down", "is it kept?")
+    finally:
+        harness.redis_server.start()
     row = _tally(harness, "Redis restarted", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
     assert all(process.poll() is None for process in harness.workers.processes)
@@ -278,3 +287,116 @@ def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
     harness.workers.start()
     row = _tally(harness, "engine killed", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+
+
+def _no_jobs_row(scenario: str) -> None:
+    """A row for a scenario that must keep jobs from being made at all."""
+    FAULT_TABLE.append({"scenario": scenario, "submitted": 0, "succeeded": 0, "failed": 0,
+                        "cancelled": 0, "lost": 0, "duplicated": 0})
+
+
+_KILLED_PRODUCER = """
+import os, signal, sys
+import jobsvc.client
+from jobsvc import Client
+
+def die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+# Killed where a crash hurts most: its jobs are recorded, their messages not yet sent.
+jobsvc.client.publish = die
+with Client() as client:
+    client.submit_many({"document": f"Report {n % 4}: the harbour froze in {n % 4 + 1900}.",
+                        "question": f"{sys.argv[1]} {n}", "max_tokens": 6} for n in range(40))
+"""
+
+
+def test_a_producer_killed_between_recording_and_enqueueing_strands_no_job(
+        harness: Harness) -> None:
+    marker = f"killed-producer-{uuid.uuid4().hex}"
+    producer = subprocess.run(
+        [sys.executable, "-c", _KILLED_PRODUCER, marker], capture_output=True, timeout=120,
+        env={**os.environ, **settings_environment(harness.settings)})
+    assert producer.returncode == -signal.SIGKILL, producer.stderr.decode()[-2000:]
+    store = Store(harness.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        ids = list(connection.execute(
+            select(Job.id).where(Job.question.startswith(marker))).scalars())
+    store.dispose()
+    assert len(ids) == 40
+    row = _tally(harness, "producer kill -9 mid-submit", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+
+
+def _attempts(harness: Harness, ids: list[str]) -> set[int]:
+    store = Store(harness.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        attempts = set(connection.execute(
+            select(Job.attempts).where(Job.id.in_(ids))).scalars())
+    store.dispose()
+    return attempts
+
+
+def test_copies_forgeries_garbage_and_a_lost_queue_before_the_worker_starts(
+        harness: Harness) -> None:
+    client, queue = harness.client, queue_name(0)
+    broker = redis.Redis.from_url(harness.settings.redis_url)
+    harness.workers.stop()
+    lost = _burst(client, 8, seed=110)
+    broker.delete(queue)
+    work = document_questions(4, 4, 120, seed=111)
+    asked = {job_id: 3 + index % 5 for index, job_id in enumerate(client.submit_many(
+        {"document": job.document, "question": job.question, "max_tokens": 3 + index % 5,
+         "ignore_eos": True} for index, job in enumerate(work)))}
+    for item in broker.lrange(queue, 0, -1):
+        broker.lpush(queue, item, item, item)
+    # A message of our own format naming real jobs, not theirs: it must run nothing.
+    publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
+    broker.lpush(queue, b"not json at all", b"[1,2,3]")
+    harness.workers.start()
+    row = _tally(harness, "copies x3, forgery, garbage, lost queue", [*asked, *lost])
+    assert row == {**row, "succeeded": len(asked) + len(lost), "lost": 0, "duplicated": 0}
+    records = {job_id: client.get(job_id) for job_id in asked}
+    assert {job_id: record.completion_tokens for job_id, record in records.items()} == asked
+    assert _attempts(harness, list(asked)) == {1}
+    assert all(process.poll() is None for process in harness.workers.processes)
+    (after,) = client.wait([client.submit("One more document.", "Still there?",
+                                          max_tokens=4)], timeout=FINISH_TIMEOUT)
+    assert after.status is JobStatus.SUCCEEDED
+
+
+def test_a_17_million_character_stop_string_is_refused_at_submit(harness: Harness) -> None:
+    with pytest.raises(InvalidJob, match="stop"):
+        harness.client.submit("A document.", "A question?", stop=["x" * 17_000_000] * 16)
+    _no_jobs_row("17M-char stop strings refused")
+
+
+def test_no_password_reaches_output_or_a_command_line(harness: Harness,
+                                                      tmp_path: Path) -> None:
+    secret = f"pw-{uuid.uuid4().hex}"
+    database = harness.postgres.url.replace("postgres@", f"postgres:{secret}@")
+    env = {**os.environ, "JOBSVC_DATABASE_URL": database,
+           "JOBSVC_REDIS_URL": f"redis://:{secret}@127.0.0.1:6399/0",
+           "JOBSVC_FLOWER_PORT": "5599"}
+    migrate = subprocess.run([sys.executable, "-m", "jobsvc", "migrate"], env=env,
+                             capture_output=True, timeout=120)
+    assert migrate.returncode == 0, migrate.stderr.decode()[-2000:]
+    assert b"***" in migrate.stdout
+    assert secret.encode() not in migrate.stdout + migrate.stderr
+    log = tmp_path / "flower.log"
+    with log.open("wb") as out:
+        flower = subprocess.Popen([sys.executable, "-m", "jobsvc", "flower"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while b"flower" not in log.read_bytes().lower() and time.monotonic() < deadline:
+            assert flower.poll() is None, log.read_text(errors="replace")
+            time.sleep(0.2)
+        command_line = " ".join(psutil.Process(flower.pid).cmdline())
+    finally:
+        flower.terminate()
+        flower.wait(timeout=30)
+    assert "flower" in command_line
+    assert secret not in command_line
+    assert secret.encode() not in log.read_bytes()
+    _no_jobs_row("credentials in output")

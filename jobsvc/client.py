@@ -15,13 +15,15 @@ from redis.retry import Retry
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
-from jobsvc.affinity import ShardState
 from jobsvc.batching import form_batches
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.finish_signal import FinishSignal
+from jobsvc.keys import CANCEL_CHANNEL, RECONCILED_EPOCH_KEY, REQUEUE_LOCK_KEY
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routers import make_router
-from jobsvc.routing import RoutingJob, decode_load, document_keys
+from jobsvc.routing.cost import RoutingJob, decode_load, loads_per_shard
+from jobsvc.routing.prefix import document_keys
+from jobsvc.routing.router import make_router
+from jobsvc.routing.state import ShardState
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -36,12 +38,6 @@ from jobsvc.transport import make_celery, publish
 
 log = logging.getLogger(__name__)
 
-CANCEL_CHANNEL = "jobsvc:cancel"
-# Held by whoever requeues lost jobs, so that two workers never requeue the same jobs at once.
-REQUEUE_LOCK_KEY = "jobsvc:requeue-lock"
-# The Redis epoch under which a reconciler last found every lost job; it goes with a restart.
-RECONCILED_EPOCH_KEY = "jobsvc:reconciled-epoch"
-
 
 @dataclass(frozen=True)
 class _Routed:
@@ -51,6 +47,10 @@ class _Routed:
     epoch: str
     document_tokens: dict[str, list[int]]
     document_texts: dict[str, str]
+
+    def shard_loads(self) -> dict[int, int]:
+        """What these jobs charged each shard."""
+        return loads_per_shard((shard, job.load) for shard, job in self.placed)
 
 
 _WAIT_CHUNK = 5000
@@ -116,7 +116,7 @@ class Client:
         try:
             self._store.record_submitted(document_rows, job_rows)
         except SQLAlchemyError as error:
-            self._shard_state.release(_charges(routed.placed))
+            self._shard_state.release(routed.shard_loads())
             raise StorageUnavailable(
                 f"could not record {len(job_rows)} jobs ({type(error).__name__}); nothing was "
                 "enqueued, submit them again once the database is back") from error
@@ -124,7 +124,7 @@ class Client:
             self._publish(routed)
         except Exception as error:
             self._store.forget_submitted(job_ids)
-            self._shard_state.release(_charges(routed.placed))
+            self._shard_state.release(routed.shard_loads())
             raise BrokerUnavailable(
                 f"could not enqueue {len(job_rows)} jobs ({type(error).__name__}: {error}); "
                 "nothing was kept, submit them again") from error
@@ -295,10 +295,3 @@ class Client:
                     f"job {index}: prompt of {prompt} tokens plus max_tokens "
                     f"{request.max_tokens} exceeds the model's context of {limit} tokens; "
                     "shorten the document or lower max_tokens")
-
-
-def _charges(placed: Sequence[tuple[int, QueuedJob]]) -> dict[int, int]:
-    charges: dict[int, int] = {}
-    for shard, job in placed:
-        charges[shard] = charges.get(shard, 0) + job.load
-    return charges

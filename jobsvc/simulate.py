@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import JobsvcError
-from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
+from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
+from jobsvc.routing.prefix import block_hashes
 from jobsvc.settings import TINY_MODEL, Settings
 from jobsvc.workloads import read_jsonl_jobs
 
@@ -139,7 +140,6 @@ def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
     """Jobs from a JSONL file (`document`, `question`, optional `max_tokens` per line, as for
     `jobsvc bench`), with prompts tokenized and block hashes chained as the client does."""
     from jobsvc.prompts import PromptBuilder
-    from jobsvc.routing import block_hashes
 
     rows = read_jsonl_jobs(path)
     prompts = PromptBuilder(model)

@@ -83,7 +83,7 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(200))
     # Deliveries to a worker so far; a job that keeps killing its worker is given up.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
-    # The Redis instance (see jobsvc.affinity) whose queue holds this job's message.
+    # The Redis instance (see jobsvc.routing.state) whose queue holds this job's message.
     redis_epoch: Mapped[str | None] = mapped_column(String(32))
     submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -19,9 +19,9 @@ from sqlalchemy import func, select
 
 from jobsvc import Client, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
+from jobsvc.keys import EPOCH_KEY, queue_name
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
-from jobsvc.routing import queue_name
 from jobsvc.schema import BatchMessage, QueuedJob
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Result, Store, utcnow
@@ -144,7 +144,7 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
 def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]) -> list[str]:
     """Record one job per document, stored as given (text frame, token frame) as no producer
     would store it, and enqueue them all in one batch message; returns the job IDs."""
-    epoch = redis.Redis.from_url(harness.settings.redis_url).get("jobsvc:epoch").decode()
+    epoch = redis.Redis.from_url(harness.settings.redis_url).get(EPOCH_KEY).decode()
     job_ids = {key: uuid.uuid4().hex for key in documents}
     store = Store(harness.settings.resolved_database_url)
     store.record_submitted(

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from jobsvc.errors import JobsvcError
-from jobsvc.policies import POLICY_NAMES
 from jobsvc.prompts import PromptBuilder
+from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.settings import TINY_MODEL, Settings
 from jobsvc.simulate import (
     WORKLOAD_NAMES,

@@ -14,8 +14,8 @@ from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import IntegrityError
 
 from jobsvc import Client
-from jobsvc.affinity import EPOCH_KEY
 from jobsvc.compression import compress, pack_tokens
+from jobsvc.keys import EPOCH_KEY
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow

@@ -16,11 +16,9 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 
-from jobsvc.transport import UNACKED_INDEX_KEY
+from jobsvc.keys import UNACKED_INDEX_KEY, UNACKED_KEY
 
 log = logging.getLogger(__name__)
-
-UNACKED_KEY = "unacked"
 
 
 def install(client: redis.Redis) -> None:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import redis
 
-from jobsvc.affinity import ShardState
 from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers, shard_devices
@@ -53,8 +52,10 @@ from jobsvc.processes import (
     with_roles,
 )
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routers import Router, make_router, reset_routing_state
-from jobsvc.routing import RoutingJob, decode_load, document_keys
+from jobsvc.routing.cost import RoutingJob, decode_load
+from jobsvc.routing.prefix import document_keys
+from jobsvc.routing.router import Router, make_router, reset_routing_state
+from jobsvc.routing.state import ShardState
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery

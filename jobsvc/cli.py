@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jobsvc.errors import JobsvcError
-from jobsvc.policies import POLICY_NAMES
+from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.settings import Settings, masked_url
 from jobsvc.simulate import add_arguments as add_simulate_arguments
 

@@ -18,13 +18,15 @@ from redis.retry import Retry
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
-from jobsvc.affinity import ShardState
 from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.finish_signal import FinishSignal
+from jobsvc.keys import CANCEL_CHANNEL
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routers import make_router
-from jobsvc.routing import RoutingJob, decode_load, document_keys
+from jobsvc.routing.cost import RoutingJob, decode_load, loads_per_shard
+from jobsvc.routing.prefix import document_keys
+from jobsvc.routing.router import make_router
+from jobsvc.routing.state import ShardState
 from jobsvc.schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -38,8 +40,6 @@ from jobsvc.store import JobRecord, Store, utcnow
 from jobsvc.transport import make_celery, publish
 
 log = logging.getLogger(__name__)
-
-CANCEL_CHANNEL = "jobsvc:cancel"
 
 # What a lost connection to the database or the broker raises, below jobsvc's own errors.
 _STORAGE_ERRORS = (SQLAlchemyError, psycopg.Error)
@@ -72,10 +72,8 @@ class _Routed:
     document_texts: dict[str, str]
 
     def charges(self) -> dict[int, int]:
-        charges: dict[int, int] = {}
-        for job, load in zip(self.placed, self.loads, strict=True):
-            charges[job.shard] = charges.get(job.shard, 0) + load
-        return charges
+        """What these jobs charged each shard."""
+        return loads_per_shard(zip((job.shard for job in self.placed), self.loads, strict=True))
 
 
 _WAIT_CHUNK = 5000

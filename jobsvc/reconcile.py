@@ -22,17 +22,15 @@ from datetime import timedelta
 import redis
 from celery import Celery
 
-from jobsvc.affinity import ShardState
 from jobsvc.batching import PlacedJob, form_batches
-from jobsvc.routing import queue_name
+from jobsvc.keys import RECONCILE_LOCK_KEY, UNACKED_KEY, queue_name
+from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
-from jobsvc.transport import UNACKED_KEY, publish
+from jobsvc.transport import publish
 
 log = logging.getLogger(__name__)
 
-# Held by the reconciler running a round.
-RECONCILE_LOCK_KEY = "jobsvc:reconcile-lock"
 # A message moves from a queue to a worker's leases, and back, in two steps: a second look
 # after this pause keeps one caught between them from being taken for lost.
 _SECOND_LOOK_SECONDS = 0.5

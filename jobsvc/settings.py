@@ -10,7 +10,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
+from jobsvc.routing.cost import DEFAULT_DECODE_COST
+from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPOSITORY_ROOT / "ops" / "tiny-llama"
@@ -48,10 +49,9 @@ class Settings:
     # slack over the mean outstanding work beyond which a shard takes no job.
     routing_load_weight: float = DEFAULT_WEIGHT
     routing_load_slack: float = DEFAULT_EPSILON
-    # Every policy: prefill tokens one output token (of a job's max_tokens) adds to its shard's
-    # load. On the 2-core CPU host a cached question's 16 tokens cost its core about as much
-    # as 130 prompt tokens (see the README's routing section).
-    routing_decode_cost: float = 8.0
+    # Every policy (and `jobsvc simulate`): prefill tokens one output token (of a job's
+    # max_tokens) adds to its shard's load.
+    routing_decode_cost: float = DEFAULT_DECODE_COST
     # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
     # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
     worker_concurrency: int = 8

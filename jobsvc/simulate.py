@@ -1,11 +1,13 @@
 """Replay a workload over simulated shards to compare routing policies without GPUs.
 
-Each shard is a server that runs its queue in order, with an LRU cache of prefix blocks that
-decides the real hits; a job costs `prefill_cost` per prompt token its shard did not have cached
-plus `decode_cost` per output token. By default the whole workload is one burst at time 0, the
-way `submit_many` and the benchmarks send it: nothing finishes while jobs are routed, outstanding
-work only grows, and balance comes from the policy (its load weight and bound). With an arrival
-rate, job i arrives at i / rate and a shard's outstanding work is what its server has left then.
+The shards are chosen by the service's own policies (`routing.policies`), with the service's
+defaults. Each shard is a server that runs its queue in order, with an LRU cache of prefix
+blocks that decides the real hits; a job costs `prefill_cost` per prompt token its shard did not
+have cached plus its decode load (`routing.cost.decode_load`: `decode_cost` per output token).
+By default the whole workload is one burst at time 0, the way `submit_many` and the benchmarks
+send it: nothing finishes while jobs are routed, outstanding work only grows, and balance comes
+from the policy (its load weight and bound). With an arrival rate, job i arrives at i / rate
+and a shard's outstanding work is what its server has left then.
 
 Workloads are generated as block-id chains (ints, no tokenizer) or read from a JSONL file of
 jobs, tokenized and hashed the way the client does it.
@@ -26,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import JobsvcError
-from jobsvc.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
+from jobsvc.routing.cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST, decode_load
+from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
+from jobsvc.routing.prefix import block_hashes
 from jobsvc.settings import TINY_MODEL, Settings
 from jobsvc.workloads import read_jsonl_jobs
 
@@ -34,11 +38,8 @@ WORKLOAD_NAMES = ("unique", "reuse", "zipf", "hot", "shared-preamble")
 # Skew of the `zipf` workload: of 256 documents, the most asked one draws a fifth of the jobs.
 ZIPF_EXPONENT = 1.1
 
-# Decoding a token is a forward pass of its own, memory-bound: about as dear as prefilling 20.
+# Work per uncached prompt token: 1 counts work in prefill tokens, the router's unit of load.
 DEFAULT_PREFILL_COST = 1
-DEFAULT_DECODE_COST = 20
-# 1024 blocks of 128 tokens: the order of a 7B model's KV cache on one 80 GB GPU.
-DEFAULT_CACHE_BLOCKS = 1024
 DEFAULT_SHARDS = 8
 
 # A job: its document's block chain, its prompt tokens, its output tokens.
@@ -139,7 +140,6 @@ def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
     """Jobs from a JSONL file (`document`, `question`, optional `max_tokens` per line, as for
     `jobsvc bench`), with prompts tokenized and block hashes chained as the client does."""
     from jobsvc.prompts import PromptBuilder
-    from jobsvc.routing import block_hashes
 
     rows = read_jsonl_jobs(path)
     prompts = PromptBuilder(model)
@@ -161,7 +161,7 @@ def load_jsonl(path: Path, *, block_size: int, output_tokens: int,
 
 def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks: int,
                    prefill_cost: int = DEFAULT_PREFILL_COST,
-                   decode_cost: int = DEFAULT_DECODE_COST,
+                   decode_cost: float = DEFAULT_DECODE_COST,
                    arrival_rate: float | None = None, weight: float = DEFAULT_WEIGHT,
                    epsilon: float = DEFAULT_EPSILON) -> dict[str, Any]:
     """Route every job with `policy`, serve it on its shard, and report hits, balance and time.
@@ -207,7 +207,8 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
         for _ in range(len(cache) - cache_blocks):
             cache.popitem(last=False)
 
-        work = (prompt_tokens - cached * block_size) * prefill_cost + output_tokens * decode_cost
+        work = ((prompt_tokens - cached * block_size) * prefill_cost
+                + decode_load(output_tokens, decode_cost))
         charge(shard, work)
         shard_jobs[shard] += 1
         shard_work[shard] += work
@@ -233,28 +234,32 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `jobsvc simulate`; the defaults are this module's and WorkloadShape's."""
+    """Options of `jobsvc simulate`; the routing options default to the service's settings,
+    the others to this module's and WorkloadShape's defaults."""
     shape = WorkloadShape()
     parser.add_argument("--workload", required=True,
                         help=f"{', '.join(WORKLOAD_NAMES)}, or a .jsonl file of jobs "
                              "(document, question, optional max_tokens)")
     parser.add_argument("--shards", type=int, default=DEFAULT_SHARDS)
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
+    parser.add_argument("--policy", choices=POLICY_NAMES,
+                        help="routing policy (default: JOBSVC_ROUTING)")
     parser.add_argument("--json", type=Path, help="also write the report to this file")
-    parser.add_argument("--cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS,
+    parser.add_argument("--cache-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
                         help="prefix cache capacity of each shard, in blocks")
     parser.add_argument("--block-size", type=int,
                         help="tokens per block (default: JOBSVC_BLOCK_SIZE)")
     parser.add_argument("--prefill-cost", type=int, default=DEFAULT_PREFILL_COST,
                         help="work per uncached prompt token")
-    parser.add_argument("--decode-cost", type=int, default=DEFAULT_DECODE_COST,
-                        help="work per output token")
+    parser.add_argument("--decode-cost", type=float,
+                        help="work per output token (default: JOBSVC_ROUTING_DECODE_COST)")
     parser.add_argument("--arrival-rate", type=float,
                         help="jobs per unit of work time (default: one burst at time 0)")
-    parser.add_argument("--weight", type=float, default=DEFAULT_WEIGHT,
-                        help="cache_aware: cost per unit of outstanding work")
-    parser.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON,
-                        help="cache_aware: load bound slack over the mean")
+    parser.add_argument("--weight", type=float,
+                        help="cache_aware: cost per unit of outstanding work "
+                             "(default: JOBSVC_ROUTING_LOAD_WEIGHT)")
+    parser.add_argument("--epsilon", type=float,
+                        help="cache_aware: load bound slack over the mean "
+                             "(default: JOBSVC_ROUTING_LOAD_SLACK)")
     generated = parser.add_argument_group("generated workloads")
     generated.add_argument("--jobs", type=int, default=shape.jobs)
     generated.add_argument("--documents", type=int, default=shape.documents)
@@ -285,11 +290,18 @@ def run_from_args(settings: Settings, args: argparse.Namespace) -> dict[str, Any
             output_tokens=args.output_tokens, seed=args.seed,
             preamble_blocks=args.preamble_blocks, group_size=args.group_size)
         workload = generate(args.workload, shape)
-    report = run_simulation(workload, shards=args.shards, policy=args.policy,
-                            cache_blocks=args.cache_blocks, prefill_cost=args.prefill_cost,
-                            decode_cost=args.decode_cost, arrival_rate=args.arrival_rate,
-                            weight=args.weight, epsilon=args.epsilon)
+    report = run_simulation(
+        workload, shards=args.shards, policy=args.policy or settings.routing,
+        cache_blocks=args.cache_blocks, prefill_cost=args.prefill_cost,
+        decode_cost=_or_setting(args.decode_cost, settings.routing_decode_cost),
+        arrival_rate=args.arrival_rate,
+        weight=_or_setting(args.weight, settings.routing_load_weight),
+        epsilon=_or_setting(args.epsilon, settings.routing_load_slack))
     report["shape"] = asdict(shape) if shape else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _or_setting(option: float | None, setting: float) -> float:
+    return setting if option is None else option

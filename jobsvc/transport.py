@@ -11,16 +11,11 @@ from collections.abc import Sequence
 from celery import Celery
 
 from jobsvc import compression
-from jobsvc.routing import queue_name
+from jobsvc.keys import UNACKED_INDEX_KEY, queue_name
 from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 
 RUN_BATCH_TASK = "jobsvc.run_batch"
-# kombu's Redis transport keeps unacknowledged messages in this sorted set, scored by the
-# time they were delivered; workers renew their leases by re-scoring them.
-UNACKED_INDEX_KEY = "unacked_index"
-# ... and the messages themselves in this hash, by delivery tag.
-UNACKED_KEY = "unacked"
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -21,9 +21,9 @@ from sqlalchemy import func, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
+from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.migrate import upgrade_to_head
-from jobsvc.routing import queue_name
 from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Result, Store, utcnow

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from jobsvc import Client
+from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 
@@ -73,7 +74,7 @@ def test_flower_lists_the_worker_its_shard_queue_and_the_batches_it_ran(
         if info.get("active_queues")})
     assert any(name.startswith("shard0@") for name in workers)
     queues = _get(f"{flower}/api/queues/length")["active_queues"]
-    assert [queue["name"] for queue in queues] == ["jobs.shard.0"]
+    assert [queue["name"] for queue in queues] == [queue_name(0)]
 
     def batch_events() -> list[dict[str, Any]]:
         # Flower turns the worker's events on at its start and every few seconds after; a

@@ -13,10 +13,11 @@ import redis
 from sqlalchemy import select, update
 
 from jobsvc import Client, JobNotFound, JobStatus
-from jobsvc.affinity import LOAD_KEY, parse_loads
 from jobsvc.compression import decompress, is_zstd_frame
+from jobsvc.keys import LOAD_KEY, queue_name
 from jobsvc.local import LocalWorkers
-from jobsvc.routing import decode_load
+from jobsvc.routing.cost import decode_load
+from jobsvc.routing.state import parse_loads
 from jobsvc.settings import Settings
 from jobsvc.store import Document, Job, Result, Store
 from jobsvc.workloads import document, document_questions, question
@@ -144,7 +145,7 @@ def test_queue_messages_name_documents_without_carrying_them(routing_settings: S
     with Client(settings=replace(routing_settings, shards=1)) as producer:
         producer.submit_many(jobs)
     broker = redis.Redis.from_url(routing_settings.redis_url)
-    entries = broker.lrange("jobs.shard.0", 0, -1)
+    entries = broker.lrange(queue_name(0), 0, -1)
     # Celery's body is [args, kwargs, options]; our batch is the only argument.
     batches = [json.loads(decompress(base64.b64decode(json.loads(entry)["body"])))[0][0]
                for entry in entries]

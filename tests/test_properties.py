@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
+from jobsvc.keys import ALL_QUEUES_PATTERN
 from jobsvc.schema import SAMPLING_KEYS, JobLimits, validate_job
 from jobsvc.store import Job, Store
 
@@ -47,7 +48,7 @@ def _trace(store: Store, url: str) -> tuple[int, int]:
     with store.engine.connect() as connection:
         jobs = connection.execute(select(func.count()).select_from(Job)).scalar_one()
     broker = redis.Redis.from_url(url)
-    return jobs, sum(broker.llen(key) for key in broker.keys("jobs.shard.*"))
+    return jobs, sum(broker.llen(key) for key in broker.keys(ALL_QUEUES_PATTERN))
 
 
 @given(document=texts, question=texts, options=sampling)

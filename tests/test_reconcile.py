@@ -13,13 +13,12 @@ import redis
 from sqlalchemy import update
 
 from jobsvc import Client
-from jobsvc.affinity import LOAD_KEY
+from jobsvc.keys import LOAD_KEY, UNACKED_KEY, queue_name
 from jobsvc.reconcile import Reconciler, message_ids
-from jobsvc.routing import queue_name
 from jobsvc.schema import BatchMessage, JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store, utcnow
-from jobsvc.transport import UNACKED_KEY, make_celery
+from jobsvc.transport import make_celery
 from tests.conftest import TEST_DATABASE, record_queued_job, recreate_database
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from jobsvc.affinity import ShardState
-from jobsvc.routers import CacheFeedback
+from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.state import ShardState
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow

@@ -15,14 +15,12 @@ import zstandard
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
-from jobsvc.affinity import AFFINITY_KEY
 from jobsvc.compression import KOMBU_CODEC
+from jobsvc.keys import AFFINITY_KEY, ALL_QUEUES_PATTERN, dead_letter_key, queue_name
 from jobsvc.local import LocalWorkers
-from jobsvc.routing import queue_name
 from jobsvc.store import Job, Store
 from jobsvc.transport import RUN_BATCH_TASK
 from jobsvc.workloads import document, question
-from workers.broker_fixes import dead_letter_key
 
 GOOD_DOCUMENT = "A short document about the lighthouse keeper and her seven cats."
 GOOD_QUESTION = "How many cats are there?"
@@ -59,7 +57,7 @@ def _trace(store: Store, url: str) -> tuple[int, dict[str, int], int]:
     with store.engine.connect() as connection:
         jobs = connection.execute(select(func.count()).select_from(Job)).scalar_one()
     broker = redis.Redis.from_url(url)
-    queues = {key.decode(): broker.llen(key) for key in broker.keys("jobs.shard.*")}
+    queues = {key.decode(): broker.llen(key) for key in broker.keys(ALL_QUEUES_PATTERN)}
     return jobs, queues, broker.hlen(AFFINITY_KEY)
 
 

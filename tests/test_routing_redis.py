@@ -10,17 +10,13 @@ import pytest
 import redis
 
 from jobsvc import Client
-from jobsvc.affinity import LOAD_KEY, ShardState, parse_loads
-from jobsvc.routers import (
-    CAPACITY_KEY,
-    CacheFeedback,
-    Route,
-    Router,
-    cache_key,
-    make_router,
-    reset_routing_state,
-)
-from jobsvc.routing import DocumentKeys, RoutingJob, document_keys, queue_name
+from jobsvc.keys import CAPACITY_KEY, LOAD_KEY, cache_key, queue_name
+from jobsvc.routing.cost import Route, RoutingJob
+from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.policies import POLICIES
+from jobsvc.routing.prefix import DocumentKeys, document_keys
+from jobsvc.routing.router import ROUTERS, Router, make_router, reset_routing_state
+from jobsvc.routing.state import ShardState, parse_loads
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 
@@ -76,6 +72,10 @@ def test_racing_producers_agree_on_the_shard_of_a_new_document(routing_settings,
         producer.close()
     assert all(len(shards) == len(producers) for shards in placed.values())
     assert all(len(set(shards)) == 1 for shards in placed.values()), placed
+
+
+def test_every_policy_has_a_redis_backed_router() -> None:
+    assert set(ROUTERS) == set(POLICIES.values())
 
 
 def _router(settings: Settings, policy: str = "cache_aware", **changes: object) -> Router:

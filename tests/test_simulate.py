@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from jobsvc.errors import JobsvcError
-from jobsvc.policies import POLICY_NAMES
 from jobsvc.prompts import PromptBuilder
+from jobsvc.routing.cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST
+from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 from jobsvc.settings import TINY_MODEL, Settings
 from jobsvc.simulate import (
     WORKLOAD_NAMES,
@@ -43,8 +44,9 @@ def test_on_a_hot_document_cache_aware_stays_balanced_near_the_ideal_hit_rate() 
     affinity = simulate("hot", "affinity")
     assert aware["load_max_over_mean"] <= 1.25
     assert aware["hit_rate"] >= 0.9 * aware["ideal_hit_rate"]
-    # The plain map keeps every hot job on one shard: half the jobs on one of eight shards.
-    assert affinity["load_max_over_mean"] > 2.5
+    # The plain map keeps every hot job on one shard: half the jobs on one of eight shards,
+    # more than twice the mean work even though most of them find the document cached.
+    assert affinity["load_max_over_mean"] > 2
     assert max(affinity["shard_jobs"]) > SMALL.jobs / 2
     assert aware["makespan"] < affinity["makespan"] / 2
 
@@ -185,3 +187,23 @@ def test_cli_options_run_a_simulation_and_write_the_report(tmp_path: Path) -> No
         assert written["block_size"] == Settings().block_size
         assert {"hit_rate", "ideal_hit_rate", "shard_jobs", "shard_work", "load_max_over_mean",
                 "makespan", "seconds", "workload", "jobs"} <= set(written)
+
+
+def test_the_simulator_routes_with_the_services_settings_unless_told_otherwise() -> None:
+    from jobsvc.simulate import run_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "reuse", "--jobs", "50"])
+    report = run_from_args(Settings.from_env({}), args)
+    assert (report["policy"], report["decode_cost"], report["weight"], report["epsilon"]) == (
+        "cache_aware", DEFAULT_DECODE_COST, DEFAULT_WEIGHT, DEFAULT_EPSILON)
+    assert report["cache_blocks"] == DEFAULT_CAPACITY_BLOCKS
+    tuned = Settings.from_env({"JOBSVC_ROUTING": "affinity", "JOBSVC_ROUTING_DECODE_COST": "3",
+                               "JOBSVC_ROUTING_LOAD_WEIGHT": "0.5"})
+    report = run_from_args(tuned, args)
+    assert (report["policy"], report["decode_cost"], report["weight"]) == ("affinity", 3, 0.5)
+    told = parser.parse_args(["--workload", "reuse", "--jobs", "50", "--decode-cost", "0",
+                              "--policy", "round_robin"])
+    report = run_from_args(tuned, told)
+    assert (report["policy"], report["decode_cost"]) == ("round_robin", 0)

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.routing import queue_name
+from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -27,17 +27,13 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 
-from jobsvc.transport import UNACKED_INDEX_KEY, UNACKED_KEY
+from jobsvc.keys import UNACKED_INDEX_KEY, UNACKED_KEY, dead_letter_key
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_LIMIT = 1000
 # An item longer than this is kept cut to it: the list is for seeing what came, not replaying.
 _DEAD_LETTER_ITEM_BYTES = 64 * 1024
-
-
-def dead_letter_key(queue: str) -> str:
-    return f"jobsvc:dead-letter:{queue}"
 
 
 def is_envelope(item: Any) -> bool:

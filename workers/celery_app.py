@@ -14,12 +14,11 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from jobsvc.affinity import ShardState
-from jobsvc.client import CANCEL_CHANNEL
+from jobsvc.keys import CANCEL_CHANNEL, queue_name
 from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
-from jobsvc.routers import CacheFeedback
-from jobsvc.routing import queue_name
+from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery

@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from jobsvc.transport import UNACKED_INDEX_KEY
+from jobsvc.keys import UNACKED_INDEX_KEY
 
 log = logging.getLogger(__name__)
 

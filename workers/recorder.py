@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobsvc.affinity import ShardState
-from jobsvc.routers import CacheFeedback
+from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.state import ShardState
 from jobsvc.store import JobOutcome, Store
 
 log = logging.getLogger(__name__)

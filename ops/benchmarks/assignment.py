@@ -19,10 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jobsvc.affinity import ShardState
 from jobsvc.bench import Bench, BenchOptions, bench_jobs, trial_shape
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routers import make_router
+from jobsvc.routing.router import make_router
+from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 
 # The routing settings a run can race, by the name `--setting` takes.

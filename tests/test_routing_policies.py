@@ -1,17 +1,24 @@
-"""Routing policies as pure decision logic: no Redis, no engine."""
+"""Routing policies as pure decision logic: no Redis, no engine. The Redis-backed routers and
+the simulator both run these."""
 
 from __future__ import annotations
 
 import pytest
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.policies import (
+from jobsvc.routing.cost import Route, RoutingJob, document_demands
+from jobsvc.routing.policies import (
+    POLICIES,
     POLICY_NAMES,
     AffinityPolicy,
     CacheAwarePolicy,
+    Placement,
     RoundRobinPolicy,
+    least_loaded,
     make_policy,
+    policy_class,
 )
+from jobsvc.routing.prefix import DocumentKeys, document_keys
 
 BLOCK = 16
 # Chains of four blocks; the ints stand for chained block hashes.
@@ -29,6 +36,9 @@ def test_round_robin_cycles_through_the_shards_whatever_the_document_and_load() 
     policy = RoundRobinPolicy(3)
     policy.charge(1, 1000)
     assert [policy.choose(DOC_A, PROMPT) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    # Dealing on from where other producers left off.
+    dealt_on = RoundRobinPolicy(3, first=7)
+    assert [dealt_on.choose(DOC_A, PROMPT) for _ in range(4)] == [1, 2, 0, 1]
 
 
 def test_affinity_sends_a_new_document_to_the_least_loaded_shard_and_then_sticks() -> None:
@@ -42,6 +52,23 @@ def test_affinity_sends_a_new_document_to_the_least_loaded_shard_and_then_sticks
     # A document shorter than one block has no prefix to keep; it just goes where load is least.
     policy.charge(3, 1)
     assert policy.choose([], 10) == 3
+
+
+def test_affinity_places_a_submits_documents_each_with_all_its_jobs_charged() -> None:
+    big = document_keys(list(range(100)), 4)
+    small = [document_keys([n] * 10, 4) for n in (1, 2, 3)]
+    demands = document_demands([RoutingJob(big, 100), *(RoutingJob(doc, 10) for doc in small),
+                                RoutingJob(big, 100)])
+    policy = AffinityPolicy(2)
+    assert policy.place_documents(demands) == [
+        Placement(0, True), Placement(1, True), Placement(1, True), Placement(1, True)]
+    assert policy.loads == [demands[0].cost_if_new, sum(d.cost_if_new for d in demands[1:])]
+    # A document placed before stays put and is charged as known there.
+    policy.loads[:] = [0, 1000]
+    again = document_demands([RoutingJob(small[0], 10)])
+    assert policy.place_documents(again) == [Placement(1, False)]
+    assert policy.loads == [0, 1000 + again[0].cost_if_known]
+    assert least_loaded([3, 1, 1]) == 1
 
 
 def test_finished_work_is_released_but_never_below_zero() -> None:
@@ -160,6 +187,15 @@ def test_cache_aware_route_tells_the_tokens_expected_cached_on_the_chosen_shard(
     assert policy.route(DOC_B, PROMPT) == (1, 0)
 
 
+def test_cache_aware_routes_a_submit_job_by_job_charging_each_before_the_next() -> None:
+    policy = cache_aware(shards=2)
+    keys = DocumentKeys("a", "a", 4 * BLOCK, tuple(DOC_A))
+    routes = policy.route_jobs([RoutingJob(keys, PROMPT, 10)] * 3)
+    assert routes[:2] == [Route(0, PROMPT, PROMPT + 10), Route(0, 8, 18)]
+    assert policy.loads == [sum(route.load for route in routes if route.shard == shard)
+                            for shard in range(2)]
+
+
 def test_cache_aware_learns_from_reports_where_a_document_is_held() -> None:
     policy = cache_aware()
     policy.choose(DOC_A, PROMPT)
@@ -189,7 +225,9 @@ def test_cache_aware_learns_the_cache_capacity_from_misses_and_hits() -> None:
 
 
 def test_make_policy_builds_every_named_policy_and_refuses_others() -> None:
+    assert POLICY_NAMES == tuple(POLICIES) == ("round_robin", "affinity", "cache_aware")
     for name in POLICY_NAMES:
+        assert policy_class(name).name == name
         policy = make_policy(name, 8, block_size=BLOCK, capacity_blocks=64)
         assert policy.name == name
         assert policy.loads == [0] * 8

@@ -1,10 +1,12 @@
 """Shard choice policies: pure decision logic over a job's prefix block chain and the shards'
-outstanding work, with no I/O.
+outstanding work, with no I/O. Each policy exists once, here: the Redis-backed routers
+(`routing.router`) load a policy's state from Redis, let it decide and write the state back,
+and the simulator (`jobsvc.simulate`) runs the same objects over simulated shards.
 
-A job is described by its document's chained block hashes (`routing.block_hashes`; any hashable
-ids will do, the simulator uses ints) and its prompt length in tokens. Each policy keeps its
-state in plain lists and dicts, one entry per shard, so that a Redis-backed version shared by
-many producers can mirror it key for key.
+A job is described by its document's chained block hashes (`routing.prefix.block_hashes`; any
+hashable ids will do, the simulator uses ints) and its prompt length in tokens. Each policy
+keeps its state in plain lists and dicts, one entry per shard, so that the Redis-backed version
+shared by many producers can mirror it key for key.
 
 Outstanding work is whatever unit the caller charges (prefill tokens in the service, the cost
 model's work units in the simulator): the caller charges the chosen shard and releases the
@@ -16,10 +18,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.routing import least_loaded
+from jobsvc.routing.cost import DocumentDemand, Route, RoutingJob
 
 # Prefill tokens one unit of outstanding work is worth. At 1 (work counted in prefill tokens)
 # the cost would be when this job's prefill ends on the shard, the best choice for this job
@@ -36,6 +39,18 @@ DEFAULT_WEIGHT = 0.25
 # with; the weight already keeps loads close, so the bound acts only when a prefix is worth
 # more than any queue (a very long hot document, or a weight near 0) and then caps its shard.
 DEFAULT_EPSILON = 0.25
+
+
+def least_loaded(loads: Sequence[int]) -> int:
+    """The shard with the least outstanding work; ties go to the lowest index."""
+    return min(range(len(loads)), key=loads.__getitem__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    shard: int
+    # The document was not held by any shard before: its shard computes it whole.
+    is_new: bool
 
 
 class RoutingPolicy(ABC):
@@ -68,9 +83,10 @@ class RoundRobinPolicy(RoutingPolicy):
 
     name = "round_robin"
 
-    def __init__(self, shards: int) -> None:
+    def __init__(self, shards: int, first: int = 0) -> None:
+        """`first`: jobs dealt before this one (by every producer sharing the count)."""
         super().__init__(shards)
-        self.next_shard = 0
+        self.next_shard = first % shards
 
     def choose(self, blocks: Sequence[Hashable], prompt_tokens: int) -> int:
         shard = self.next_shard
@@ -80,24 +96,40 @@ class RoundRobinPolicy(RoutingPolicy):
 
 class AffinityPolicy(RoutingPolicy):
     """The plain affinity map: a new document goes to the least loaded shard and stays there,
-    however hot it becomes. Documents shorter than one block have nothing to reuse and are not
-    remembered."""
+    however hot it becomes. Given only a block chain (`choose`), a document shorter than one
+    block has no key and nothing to reuse, and is not remembered; the router keys every
+    document by its prefix key (`place`)."""
 
     name = "affinity"
 
     def __init__(self, shards: int) -> None:
         super().__init__(shards)
-        # The document's prefix key (its last block hash) -> its shard.
+        # The document's prefix key (its last block hash, `DocumentKeys.prefix_key`) -> its shard.
         self.shard_of: dict[Hashable, int] = {}
 
     def choose(self, blocks: Sequence[Hashable], prompt_tokens: int) -> int:
         if not blocks:
             return least_loaded(self.loads)
-        key = blocks[-1]
+        return self.place(blocks[-1]).shard
+
+    def place(self, key: Hashable) -> Placement:
+        """The shard of the document with this prefix key: where it went before, or else the
+        least loaded shard, where it stays."""
         shard = self.shard_of.get(key)
-        if shard is None:
-            shard = self.shard_of[key] = least_loaded(self.loads)
-        return shard
+        if shard is not None:
+            return Placement(shard, False)
+        shard = self.shard_of[key] = least_loaded(self.loads)
+        return Placement(shard, True)
+
+    def place_documents(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
+        """Place one submit's documents in turn, each charged with all of its jobs before the
+        next is placed, so that a document with many questions weighs on its shard at once."""
+        placements = []
+        for demand in demands:
+            placement = self.place(demand.prefix_key)
+            self.charge(placement.shard, demand.cost(placement.is_new))
+            placements.append(placement)
+        return placements
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -183,6 +215,17 @@ class CacheAwarePolicy(RoutingPolicy):
         self._touch(best, blocks)
         return best, best_cached
 
+    def route_jobs(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        """`route` one submit's jobs in turn, each charged before the next is routed, so that
+        even one submit's hot document spreads once its shard is loaded enough."""
+        routes = []
+        for keys, prompt, decode in jobs:
+            shard, cached = self.route(keys.blocks, prompt)
+            prefill = prompt - cached
+            self.charge(shard, prefill + decode)
+            routes.append(Route(shard, prefill, prefill + decode))
+        return routes
+
     def observe(self, shard: int, blocks: Sequence[Hashable], cached_tokens: int,
                 expected_tokens: int) -> None:
         """Learn from a worker's report on a job it ran: it found `cached_tokens` of the chain
@@ -250,7 +293,18 @@ class CacheAwarePolicy(RoutingPolicy):
                 del self.holders[block]
 
 
-POLICY_NAMES = (RoundRobinPolicy.name, AffinityPolicy.name, CacheAwarePolicy.name)
+# The one registry of policies, by the name JOBSVC_ROUTING and `--policy` take.
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    policy.name: policy for policy in (RoundRobinPolicy, AffinityPolicy, CacheAwarePolicy)}
+POLICY_NAMES = tuple(POLICIES)
+
+
+def policy_class(name: str) -> type[RoutingPolicy]:
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ConfigurationError(
+            f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return policy
 
 
 def make_policy(name: str, shards: int, *, block_size: int, capacity_blocks: int,
@@ -258,12 +312,8 @@ def make_policy(name: str, shards: int, *, block_size: int, capacity_blocks: int
                 epsilon: float = DEFAULT_EPSILON) -> RoutingPolicy:
     """The policy called `name` (JOBSVC_ROUTING, or a simulation's --policy). Block size and
     cache capacity are asked of every caller so that switching policies needs no other change."""
-    if name == RoundRobinPolicy.name:
-        return RoundRobinPolicy(shards)
-    if name == AffinityPolicy.name:
-        return AffinityPolicy(shards)
-    if name == CacheAwarePolicy.name:
+    policy = policy_class(name)
+    if policy is CacheAwarePolicy:
         return CacheAwarePolicy(shards, block_size=block_size, capacity_blocks=capacity_blocks,
                                 weight=weight, epsilon=epsilon)
-    raise ConfigurationError(
-        f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return policy(shards)

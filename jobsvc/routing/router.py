@@ -1,5 +1,6 @@
-"""Routers: the policies of `jobsvc.policies` applied to one submit's jobs, with their state in
-Redis so that any number of producers route as one.
+"""Routers: the policies of `routing.policies` applied to one submit's jobs, with their state
+in Redis so that any number of producers route as one. Each router loads its policy's state
+from Redis, lets the pure policy decide, and writes the state back.
 
 Every router charges the shards' shared load counters (`ShardState`) with each job's load (its
 estimated prefill plus its decode load), which workers return when the job ends.
@@ -15,61 +16,45 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import redis
 
-from jobsvc.affinity import AFFINITY_KEY, LOAD_KEY, ShardState, parse_loads
 from jobsvc.errors import BrokerUnavailable
-from jobsvc.policies import AffinityPolicy, CacheAwarePolicy, RoundRobinPolicy
-from jobsvc.routing import RoutingJob, document_demands, plan_from_scratch
+from jobsvc.keys import (
+    AFFINITY_KEY,
+    CACHE_CLOCK_KEY,
+    CAPACITY_KEY,
+    LOAD_KEY,
+    REPORTED_CAPACITY_KEY,
+    ROUND_ROBIN_KEY,
+    ROUTING_LOCK_KEY,
+    cache_key,
+)
+from jobsvc.routing.cost import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DocumentDemand,
+    Route,
+    RoutingJob,
+    document_demands,
+    estimated_routes,
+    loads_per_shard,
+)
+from jobsvc.routing.policies import (
+    AffinityPolicy,
+    CacheAwarePolicy,
+    Placement,
+    RoundRobinPolicy,
+    RoutingPolicy,
+    policy_class,
+)
+from jobsvc.routing.state import ShardState, parse_loads
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ROUND_ROBIN_KEY = "jobsvc:round-robin"
-CACHE_KEY_PREFIX = "jobsvc:cache:"
-CACHE_CLOCK_KEY = "jobsvc:cache-clock"
-# Capacity in blocks per shard: as its worker reported it, and as the router has learned it.
-REPORTED_CAPACITY_KEY = "jobsvc:cache-reported"
-CAPACITY_KEY = "jobsvc:cache-capacity"
-ROUTING_LOCK_KEY = "jobsvc:routing-lock"
-# Assumed for a shard whose worker has not reported yet: the order of a 7B model's KV cache on
-# one 80 GB GPU (workers report the real figure when their engine starts).
-UNREPORTED_CAPACITY_BLOCKS = 1024
 # Longest a producer holds the routing lock (routing a large submit takes milliseconds).
 _LOCK_SECONDS = 10
-
-# Moves a shard's learned capacity by the summed error of its jobs' cache expectations (in
-# blocks), within [longest chain seen, reported capacity], and forgets what no longer fits.
-_LEARN = """
-for i = 1, #ARGV, 3 do
-  local shard, error, floor = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  local reported = tonumber(redis.call('HGET', KEYS[1], shard))
-  if reported then
-    local current = tonumber(redis.call('HGET', KEYS[2], shard)) or reported
-    local learned = math.min(reported, math.max(floor, current - error))
-    redis.call('HSET', KEYS[2], shard, learned)
-    redis.call('ZREMRANGEBYRANK', KEYS[3] .. shard, 0, -learned - 1)
-  end
-end
-return 1
-"""
-
-
-def cache_key(shard: int) -> str:
-    return f"{CACHE_KEY_PREFIX}{shard}"
-
-
-@dataclass(frozen=True)
-class Route:
-    shard: int
-    # Prompt tokens the shard is expected to compute: compared by the worker with what the
-    # engine really found cached.
-    estimated_prefill: int
-    # What the shard is charged: the estimated prefill plus the job's decode load.
-    load: int
 
 
 class Router(ABC):
@@ -89,42 +74,41 @@ class Router(ABC):
 
 
 class RoundRobinRouter(Router):
-    """The baseline: job after job, shard after shard, from one counter all producers share."""
+    """`RoundRobinPolicy` dealing from one count of jobs that all producers share."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
         end = int(self._redis.incrby(ROUND_ROBIN_KEY, len(jobs)))
-        shards = [(end - len(jobs) + index) % self.shards for index in range(len(jobs))]
-        routes = _estimate_prefill(jobs, shards, held=frozenset())
-        self._state.charge(_charges(routes))
+        routes = _deal(RoundRobinPolicy(self.shards, first=end - len(jobs)), jobs)
+        self._state.charge(loads_per_shard((route.shard, route.load) for route in routes))
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
-        policy = RoundRobinPolicy(self.shards)
-        return [policy.choose(job.keys.blocks, job.prompt_tokens) for job in jobs]
+        return [route.shard for route in _deal(RoundRobinPolicy(self.shards), jobs)]
 
 
 class AffinityRouter(Router):
-    """The plain affinity map: a new document goes to the least loaded shard, then sticks."""
+    """`AffinityPolicy` over the affinity map and loads in Redis (`ShardState`), placing one
+    submit's documents in one read and one write."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
         demands = document_demands(jobs)
-        placements = dict(zip((demand.prefix_key for demand in demands),
-                              self._state.place(demands), strict=True))
-        shards = [placements[job.keys.prefix_key].shard for job in jobs]
-        held = frozenset((placement.shard, key) for key, placement in placements.items()
-                         if not placement.is_new)
-        return _estimate_prefill(jobs, shards, held)
+        placed, loads = self._state.placements_and_loads(
+            [demand.prefix_key for demand in demands])
+        policy = AffinityPolicy(self.shards)
+        policy.loads[:] = loads
+        policy.shard_of.update(placed)
+        placements = self._state.claim(demands, policy.place_documents(demands))
+        return _placed_routes(jobs, demands, placements)
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
         demands = document_demands(jobs)
-        plan = dict(zip((demand.prefix_key for demand in demands),
-                        plan_from_scratch(demands, self.shards), strict=True))
-        return [plan[job.keys.prefix_key] for job in jobs]
+        placements = AffinityPolicy(self.shards).place_documents(demands)
+        return [route.shard for route in _placed_routes(jobs, demands, placements)]
 
 
 class CacheAwareRouter(Router):
-    """Cache overlap against load (`policies.CacheAwarePolicy`), job by job, so that even one
-    submit's hot document spreads once its shard is loaded enough."""
+    """`CacheAwarePolicy` seeded with the part of the shared cache estimate that the submit's
+    chains touch, under the routing lock."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
         lock = self._redis.lock(ROUTING_LOCK_KEY, timeout=_LOCK_SECONDS,
@@ -135,7 +119,7 @@ class CacheAwareRouter(Router):
                 "enqueued, submit again")
         try:
             policy, clock = self._load(jobs)
-            routes = _decide(policy, jobs)
+            routes = policy.route_jobs(jobs)
             self._save(jobs, routes, clock, policy.capacity)
         finally:
             try:
@@ -147,11 +131,11 @@ class CacheAwareRouter(Router):
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
-        return [route.shard for route in _decide(self._policy(), jobs)]
+        return [route.shard for route in self._policy().route_jobs(jobs)]
 
     def _policy(self) -> CacheAwarePolicy:
         return CacheAwarePolicy(self.shards, block_size=self.settings.block_size,
-                                capacity_blocks=UNREPORTED_CAPACITY_BLOCKS,
+                                capacity_blocks=DEFAULT_CAPACITY_BLOCKS,
                                 weight=self.settings.routing_load_weight,
                                 epsilon=self.settings.routing_load_slack)
 
@@ -212,35 +196,10 @@ class CacheAwareRouter(Router):
                 if scores:
                     pipe.zadd(cache_key(shard), scores)
                     pipe.zremrangebyrank(cache_key(shard), 0, -capacity[shard] - 1)
-            for shard, tokens in _charges(routes).items():
+            for shard, tokens in loads_per_shard((route.shard, route.load)
+                                                 for route in routes).items():
                 pipe.hincrby(LOAD_KEY, str(shard), tokens)
             pipe.execute()
-
-
-class CacheFeedback:
-    """What workers tell the cache-aware router: the size of their engine's KV cache when it
-    starts (empty), and after each drain of results how far the cached tokens their jobs
-    really got fell short of (or beyond) what the router expected."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self._redis = client
-        self._learn = client.register_script(_LEARN)
-
-    def engine_started(self, shard: int, capacity_blocks: int) -> None:
-        with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(cache_key(shard))
-            pipe.hset(REPORTED_CAPACITY_KEY, str(shard), capacity_blocks)
-            pipe.hset(CAPACITY_KEY, str(shard), capacity_blocks)
-            pipe.execute()
-
-    def jobs_ran(self, errors: Mapping[int, tuple[int, int]]) -> None:
-        """`errors` maps a shard to (expected minus actual cached blocks summed over its jobs,
-        the longest document chain among them in blocks)."""
-        args: list[int | str] = []
-        for shard, (error, floor) in errors.items():
-            args += [str(shard), error, max(1, floor)]
-        if args:
-            self._learn(keys=[REPORTED_CAPACITY_KEY, CAPACITY_KEY, CACHE_KEY_PREFIX], args=args)
 
 
 def reset_routing_state(client: redis.Redis, shards: int) -> None:
@@ -255,26 +214,32 @@ def reset_routing_state(client: redis.Redis, shards: int) -> None:
         pipe.execute()
 
 
-ROUTERS: dict[str, type[Router]] = {
-    RoundRobinPolicy.name: RoundRobinRouter,
-    AffinityPolicy.name: AffinityRouter,
-    CacheAwarePolicy.name: CacheAwareRouter,
+# The Redis-backed router of each policy.
+ROUTERS: dict[type[RoutingPolicy], type[Router]] = {
+    RoundRobinPolicy: RoundRobinRouter,
+    AffinityPolicy: AffinityRouter,
+    CacheAwarePolicy: CacheAwareRouter,
 }
 
 
 def make_router(client: redis.Redis, state: ShardState, settings: Settings) -> Router:
     """The router for `settings.routing` (already validated by `Settings`)."""
-    return ROUTERS[settings.routing](client, state, settings)
+    return ROUTERS[policy_class(settings.routing)](client, state, settings)
 
 
-def _decide(policy: CacheAwarePolicy, jobs: Sequence[RoutingJob]) -> list[Route]:
-    routes = []
-    for keys, prompt, decode in jobs:
-        shard, cached = policy.route(keys.blocks, prompt)
-        prefill = prompt - cached
-        policy.charge(shard, prefill + decode)
-        routes.append(Route(shard, prefill, prefill + decode))
-    return routes
+def _deal(policy: RoundRobinPolicy, jobs: Sequence[RoutingJob]) -> list[Route]:
+    shards = [policy.choose(job.keys.blocks, job.prompt_tokens) for job in jobs]
+    return estimated_routes(jobs, shards, held=frozenset())
+
+
+def _placed_routes(jobs: Sequence[RoutingJob], demands: Sequence[DocumentDemand],
+                   placements: Sequence[Placement]) -> list[Route]:
+    """Each job goes where its document was placed; documents known there before are held."""
+    by_key = dict(zip((demand.prefix_key for demand in demands), placements, strict=True))
+    shards = [by_key[job.keys.prefix_key].shard for job in jobs]
+    held = frozenset((placement.shard, key) for key, placement in by_key.items()
+                     if not placement.is_new)
+    return estimated_routes(jobs, shards, held)
 
 
 def _leading_held(scores: Sequence[float | None]) -> int:
@@ -282,23 +247,3 @@ def _leading_held(scores: Sequence[float | None]) -> int:
         if score is None:
             return index
     return len(scores)
-
-
-def _estimate_prefill(jobs: Sequence[RoutingJob], shards: Sequence[int],
-                      held: frozenset[tuple[int, str]]) -> list[Route]:
-    """A job's prefill is its whole prompt unless its shard holds the document already (known
-    before, or brought there by an earlier job of the same submit): then only the tail."""
-    seen = set(held)
-    routes = []
-    for (keys, prompt, decode), shard in zip(jobs, shards, strict=True):
-        cached = keys.cacheable_tokens if (shard, keys.prefix_key) in seen else 0
-        seen.add((shard, keys.prefix_key))
-        routes.append(Route(shard, prompt - cached, prompt - cached + decode))
-    return routes
-
-
-def _charges(routes: Sequence[Route]) -> dict[int, int]:
-    charges: dict[int, int] = {}
-    for route in routes:
-        charges[route.shard] = charges.get(route.shard, 0) + route.load
-    return charges

@@ -1,9 +1,10 @@
-"""Shard state shared by every producer and worker, in Redis: which shard holds each document
-prefix, and how much work each shard still has outstanding (in prefill tokens, each job's
-decode load included).
+"""Shard state shared by every producer and worker, in Redis: how much work each shard still
+has outstanding (in prefill tokens, each job's decode load included), which shard holds each
+document prefix (the affinity map).
 
-The choice for a new document is the pure `routing.least_loaded`; Redis only makes it shared.
-A claim is HSETNX, so two producers racing on one new document agree on whoever came first.
+Decisions are the pure policies' (`routing.policies`); Redis only makes their state shared.
+A claim in the affinity map is HSETNX, so two producers racing on one new document agree on
+whoever came first.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
-from jobsvc.routing import DocumentDemand, Placement, least_loaded
-
-AFFINITY_KEY = "jobsvc:affinity"
-LOAD_KEY = "jobsvc:load"
+from jobsvc.keys import AFFINITY_KEY, LOAD_KEY
+from jobsvc.routing.cost import DocumentDemand, loads_per_shard
+from jobsvc.routing.policies import Placement
 
 # Lowers a shard's load without going below zero (a counter lost with a Redis restart
 # must not turn negative and attract every new document).
@@ -50,28 +50,27 @@ class ShardState:
         self._release = client.register_script(_RELEASE)
         self._correct = client.register_script(_CORRECT)
 
-    def place(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
-        """Pick a shard per document (known documents stay put) and charge the shards.
-
-        Round trips: one read, one claim-and-charge; a third only when another producer
-        claimed one of the same new documents first, and then its choice wins."""
-        keys = [demand.prefix_key for demand in demands]
+    def placements_and_loads(self, prefix_keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
+        """The shards already holding any of these documents, and every shard's load, in one
+        round trip. A document placed on a shard beyond today's count counts as new."""
         with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hmget(AFFINITY_KEY, keys)
+            pipe.hmget(AFFINITY_KEY, prefix_keys)
             pipe.hgetall(LOAD_KEY)
             known, raw_loads = pipe.execute()
-        loads = parse_loads(raw_loads, self._shards)
-        placements: list[Placement] = []
-        charges: dict[int, int] = {}
-        for demand, value in zip(demands, known, strict=True):
-            shard = int(value) if value is not None else self._shards
-            placement = (Placement(shard, False) if shard < self._shards
-                         else Placement(least_loaded(loads), True))
-            cost = demand.cost_if_new if placement.is_new else demand.cost_if_known
-            loads[placement.shard] += cost
-            charges[placement.shard] = charges.get(placement.shard, 0) + cost
-            placements.append(placement)
+        placed = {key: int(value) for key, value in zip(prefix_keys, known, strict=True)
+                  if value is not None and int(value) < self._shards}
+        return placed, parse_loads(raw_loads, self._shards)
+
+    def claim(self, demands: Sequence[DocumentDemand],
+              placements: Sequence[Placement]) -> list[Placement]:
+        """Record where the new documents went and charge the shards; returns the placements
+        that hold. Round trips: one; a second only when another producer claimed one of the
+        same new documents first, and then its choice wins."""
+        keys = [demand.prefix_key for demand in demands]
+        placements = list(placements)
         claims = [index for index, placement in enumerate(placements) if placement.is_new]
+        charges = loads_per_shard((placement.shard, demand.cost(placement.is_new))
+                                  for demand, placement in zip(demands, placements, strict=True))
         with self._redis.pipeline(transaction=False) as pipe:
             for index in claims:
                 pipe.hsetnx(AFFINITY_KEY, keys[index], placements[index].shard)
@@ -85,16 +84,14 @@ class ShardState:
 
     def _defer_to_winners(self, lost: list[int], keys: list[str],
                           demands: Sequence[DocumentDemand], placements: list[Placement]) -> None:
-        winners = self._redis.hmget(AFFINITY_KEY, [keys[index] for index in lost])
-        undo: dict[int, int] = {}
-        redo: dict[int, int] = {}
-        for index, value in zip(lost, winners, strict=True):
-            ours, theirs = placements[index].shard, int(value)
-            undo[ours] = undo.get(ours, 0) + demands[index].cost_if_new
-            redo[theirs] = redo.get(theirs, 0) + demands[index].cost_if_known
-            placements[index] = Placement(theirs, False)
-        self.release(undo)
-        self.charge(redo)
+        winners = [int(value) for value in
+                   self._redis.hmget(AFFINITY_KEY, [keys[index] for index in lost])]
+        self.release(loads_per_shard((placements[index].shard, demands[index].cost_if_new)
+                                     for index in lost))
+        self.charge(loads_per_shard((shard, demands[index].cost_if_known)
+                                    for index, shard in zip(lost, winners, strict=True)))
+        for index, shard in zip(lost, winners, strict=True):
+            placements[index] = Placement(shard, False)
 
     def charge(self, charges: Mapping[int, int]) -> None:
         if charges:

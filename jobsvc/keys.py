@@ -1,0 +1,52 @@
+"""Every Redis key and channel the service uses, named once: producers, workers, operators'
+scripts and tests import them from here, so two parts can never disagree on a name and an
+operator finds all of them in one place."""
+
+from __future__ import annotations
+
+# Shard queues. Their names are public: Flower, `jobsvc_queue_messages` and operators show them.
+_QUEUE_PREFIX = "jobs.shard."
+# Matches every shard queue (for KEYS or SCAN).
+ALL_QUEUES_PATTERN = f"{_QUEUE_PREFIX}*"
+
+
+def queue_name(shard: int) -> str:
+    return f"{_QUEUE_PREFIX}{shard}"
+
+
+# kombu's Redis transport keeps unacknowledged messages in this hash (delivery tag -> message)
+# and this sorted set scored by delivery time; workers renew their leases by re-scoring them.
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
+
+# Job IDs to cancel, published to every worker.
+CANCEL_CHANNEL = "jobsvc:cancel"
+
+# Held by the reconciler running a round, so that two never send the same stranded jobs.
+RECONCILE_LOCK_KEY = "jobsvc:reconcile-lock"
+
+
+def dead_letter_key(queue: str) -> str:
+    """Items of `queue` that were no message at all, kept for inspection (a bounded list)."""
+    return f"jobsvc:dead-letter:{queue}"
+
+
+# Outstanding work per shard (hash: shard -> load), charged by producers, returned by workers.
+LOAD_KEY = "jobsvc:load"
+# affinity: the shard of each document prefix (hash: prefix key -> shard).
+AFFINITY_KEY = "jobsvc:affinity"
+# round_robin: the count of jobs dealt so far, shared by every producer.
+ROUND_ROBIN_KEY = "jobsvc:round-robin"
+# cache_aware: per shard, the block hashes its KV cache is estimated to hold (sorted set scored
+# by recency), the recency clock, and the cache capacity in blocks as its worker reported it
+# and as the router has learned it (hashes: shard -> blocks).
+CACHE_KEY_PREFIX = "jobsvc:cache:"
+CACHE_CLOCK_KEY = "jobsvc:cache-clock"
+REPORTED_CAPACITY_KEY = "jobsvc:cache-reported"
+CAPACITY_KEY = "jobsvc:cache-capacity"
+# cache_aware: held by a producer while it reads, decides on and writes back the estimate.
+ROUTING_LOCK_KEY = "jobsvc:routing-lock"
+
+
+def cache_key(shard: int) -> str:
+    return f"{CACHE_KEY_PREFIX}{shard}"

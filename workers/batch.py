@@ -18,6 +18,7 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.schema import BatchMessage, MessageError, QueuedJob
 from jobsvc.store import JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
+from workers.hooks import WorkerHooks
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ T = TypeVar("T")
 
 class BatchRunner:
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
-                 recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int) -> None:
+                 recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int,
+                 hooks: WorkerHooks) -> None:
         self.shard = shard
         self.worker_name = worker_name
         self.max_attempts = max_attempts
@@ -34,9 +36,8 @@ class BatchRunner:
         self._prompts = prompts
         self._engine = engine
         self._recorder = recorder
+        self._hooks = hooks
         self._running: set[str] = set()
-        # When the earliest batch since `take_first_admission` went to the engine.
-        self._first_admission: float | None = None
         self._lock = threading.Lock()
 
     def run(self, payload: Any) -> dict[str, int]:
@@ -50,6 +51,7 @@ class BatchRunner:
             log.warning("shard %d got a batch addressed to shard %d; running it anyway",
                         self.shard, message.shard)
         jobs, requests, checks = self._claim(message)
+        self._hooks.on_claim([job.job_id for job in jobs])
         loads = {job.job_id: job.load for job in jobs}
         completion = Completion(len(jobs))
         results: list[EngineResult] = []
@@ -65,12 +67,12 @@ class BatchRunner:
 
         with self._lock:
             self._running.update(loads)
-            if requests and self._first_admission is None:
-                self._first_admission = started
+        self._hooks.on_admit(len(requests), started)
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
             self._recorder.batch_finished(self._batch_stats(message.shard, started, results))
+        self._hooks.on_batch_end(len(jobs), started)
         return {"jobs": len(jobs), "skipped": len(message.jobs) - len(jobs)}
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
@@ -118,13 +120,6 @@ class BatchRunner:
                      in zip(texts, self._prompts.documents(texts), strict=True)}
         return {job_id: tokenized[doc] if isinstance(doc, str) else doc
                 for job_id, doc in stored.items()}
-
-    def take_first_admission(self) -> float | None:
-        """When (`time.time()`) the earliest batch since the last call went to the engine,
-        after its claim; None if none did. A job's `started_at` is its claim's start."""
-        with self._lock:
-            first, self._first_admission = self._first_admission, None
-        return first
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.run import Bench, BenchOptions, bench_jobs, trial_shape
 from jobsvc.affinity import ShardState
-from jobsvc.bench import Bench, BenchOptions, bench_jobs, trial_shape
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routers import make_router
 from jobsvc.settings import Settings

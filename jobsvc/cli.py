@@ -39,7 +39,7 @@ def _demo(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> None:
-    from jobsvc.bench import BenchOptions, run_bench
+    from bench.run import BenchOptions, run_bench
 
     # Standard output is for the JSON result; the in-process engines log to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

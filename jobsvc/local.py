@@ -17,7 +17,7 @@ import kombu.exceptions
 import redis
 from celery import Celery
 
-from jobsvc.errors import ConfigurationError, JobsvcError
+from jobsvc.errors import JobsvcError
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
 
@@ -29,20 +29,6 @@ class WorkerStartError(JobsvcError):
 def settings_environment(settings: Settings) -> dict[str, str]:
     """The JOBSVC_* variables that make a child process see exactly these settings."""
     return {f"JOBSVC_{name.upper()}": str(value) for name, value in settings.__dict__.items()}
-
-
-def shard_devices(settings: Settings) -> list[str]:
-    """The device each shard's worker binds (`--device`): JOBSVC_BENCH_DEVICES when set, so a
-    GPU host runs the same code with GPU indices; else both cores of a 2-core CPU host for one
-    shard, one core each for more."""
-    devices = settings.bench_devices.split()
-    if not devices:
-        return ["0-1"] if settings.shards == 1 else [str(s % 2) for s in range(settings.shards)]
-    if len(devices) != settings.shards:
-        raise ConfigurationError(
-            f"JOBSVC_BENCH_DEVICES names {len(devices)} devices for {settings.shards} shards; "
-            "give one per shard")
-    return devices
 
 
 class LocalWorkers:

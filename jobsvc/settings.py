@@ -79,13 +79,9 @@ class Settings:
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = True
-    # Device of each shard in `jobsvc bench`, space-separated: GPU indices on GPU hosts, core
-    # lists such as 0-1 on CPU hosts. Empty: the split of a 2-core CPU host.
-    bench_devices: str = ""
-    # Workers answer the benchmark's remote-control commands (`workers.bench_control`), which
-    # drive the engine past the queue and the database. `jobsvc bench` turns this on for the
-    # workers it starts; leave it off elsewhere.
-    bench_control: bool = False
+    # Instruments a worker attaches (`workers.hooks`): `module:factory`, imported when the
+    # worker starts. Empty: none. `jobsvc bench` names its probes for the workers it starts.
+    worker_hooks: str = ""
     # Seconds before a crashed worker's unacknowledged batches are delivered again. Live
     # workers renew the lease on what they run, so long jobs are never delivered twice.
     visibility_timeout: int = 30

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 import redis
 
+from bench.probes import HOOKS_PATH
 from jobsvc import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
@@ -60,13 +61,13 @@ def settings() -> Settings:
     database_url = recreate_database()
     for url in (WORKER_REDIS_URL, ROUTING_REDIS_URL):
         redis.Redis.from_url(url).flushdb()
-    # The worker answers the bench's remote-control commands, which some tests send. The
-    # tests size their bursts in messages: small ones keep those bursts short, and
+    # The worker attaches the bench's probes, whose remote-control commands some tests send.
+    # The tests size their bursts in messages: small ones keep those bursts short, and
     # chunks smaller than a message make the worker pace its admission as it does in service.
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
                              batch_size=32, admission_chunk=8, worker_concurrency=4,
                              log_level="INFO", max_message_bytes=16 << 20,
-                             bench_control=True)
+                             worker_hooks=HOOKS_PATH)
 
 
 @pytest.fixture(scope="session")

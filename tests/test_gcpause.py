@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from workers.gcpause import GcPauseMeter
+from bench.gcpause import GcPauseMeter
 
 
 def test_meter_records_each_generation_and_starts_over_after_a_take() -> None:

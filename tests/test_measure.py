@@ -11,17 +11,7 @@ from unittest import mock
 
 import pytest
 
-from jobsvc.bench import (
-    BenchOptions,
-    _GcTotals,
-    _report,
-    _Totals,
-    bench_jobs,
-    check_options,
-    plot_pairs,
-)
-from jobsvc.errors import ConfigurationError, InvalidJob
-from jobsvc.measure import (
+from bench.measure import (
     ENGINE_ROLE,
     ArmResult,
     Pair,
@@ -43,6 +33,17 @@ from jobsvc.measure import (
     summarize_pairs,
     wait_seconds,
 )
+from bench.run import (
+    BenchOptions,
+    _GcTotals,
+    _report,
+    _Totals,
+    bench_jobs,
+    check_options,
+    plot_pairs,
+    shard_devices,
+)
+from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs
 
@@ -492,3 +493,12 @@ def test_engine_steps_are_summarized_per_arm_and_left_out_where_an_arm_lacks_the
     own_engines = [Pair(arm(None), arm(74), False), Pair(arm(None), arm(73), True)]
     assert summarize_pairs(own_engines)["engine_steps"] == {"standalone": None,
                                                             "service": 73.5}
+
+
+def test_bench_devices_give_each_shard_its_device_or_the_cpu_split() -> None:
+    gpus = {"JOBSVC_BENCH_DEVICES": "0 1 2"}
+    assert shard_devices(3, gpus) == ["0", "1", "2"]
+    assert shard_devices(2, {}) == ["0", "1"]
+    assert shard_devices(1, {}) == ["0-1"]
+    with pytest.raises(ConfigurationError, match="JOBSVC_BENCH_DEVICES"):
+        shard_devices(2, gpus)

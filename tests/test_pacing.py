@@ -9,8 +9,10 @@ from unittest import mock
 
 import pytest
 
+from bench.run import shard_devices
+from bench.standalone import STAGGERED_PACING, staggered_pacing
 from jobsvc.client import Client
-from jobsvc.local import LocalWorkers, shard_devices
+from jobsvc.local import LocalWorkers
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from tests.conftest import set_pacing
@@ -23,7 +25,6 @@ from workers.engine import (
     engine_args,
     gather_paced,
 )
-from workers.standalone import STAGGERED_PACING, staggered_pacing
 
 
 def _start_times(count: int, pacing: Pacing) -> tuple[list[int], list[float]]:
@@ -85,7 +86,7 @@ def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
     requests = [EngineRequest("first", (5, 6, 7), (8,), sampling),
                 EngineRequest("second", (5, 6, 7), (9,), sampling)]
     with mock.patch.dict(os.environ):
-        bind_device(settings, shard_devices(settings)[0])
+        bind_device(settings, shard_devices(settings.shards)[0])
         adapter = EngineAdapter(engine_args(settings), Pacing(chunk=1, pause_seconds=2.0))
         adapter.start()
     results: list[EngineResult] = []

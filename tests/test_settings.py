@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from jobsvc import compression
 from jobsvc.errors import ConfigurationError
-from jobsvc.local import shard_devices
 from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
 from jobsvc.workloads import document_questions, lexicon
 from workers.engine import engine_args
@@ -43,15 +41,6 @@ def test_compression_round_trips_and_marks_zstd_frames() -> None:
 def test_generated_text_is_deterministic() -> None:
     assert lexicon()[:5] == lexicon()[:5]
     assert document_questions(2, 2, 50, seed=3) == document_questions(2, 2, 50, seed=3)
-
-
-def test_bench_devices_give_each_shard_its_device_or_the_cpu_split() -> None:
-    gpus = Settings.from_env({"JOBSVC_BENCH_DEVICES": "0 1 2", "JOBSVC_SHARDS": "3"})
-    assert shard_devices(gpus) == ["0", "1", "2"]
-    assert shard_devices(Settings.from_env({"JOBSVC_SHARDS": "2"})) == ["0", "1"]
-    assert shard_devices(Settings.from_env({})) == ["0-1"]
-    with pytest.raises(ConfigurationError, match="JOBSVC_BENCH_DEVICES"):
-        shard_devices(replace(gpus, shards=2))
 
 
 def test_the_tiny_model_runs_float32_unless_told_otherwise(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
+from workers.hooks import WorkerHooks
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ T = TypeVar("T")
 
 class BatchRunner:
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
-                 recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int) -> None:
+                 recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int,
+                 hooks: WorkerHooks) -> None:
         self.shard = shard
         self.worker_name = worker_name
         self.max_attempts = max_attempts
@@ -34,9 +36,8 @@ class BatchRunner:
         self._prompts = prompts
         self._engine = engine
         self._recorder = recorder
+        self._hooks = hooks
         self._running: set[str] = set()
-        # When the earliest batch since `take_first_admission` went to the engine.
-        self._first_admission: float | None = None
         self._lock = threading.Lock()
 
     def run(self, payload: Any, message_id: str, redelivered: bool) -> dict[str, int]:
@@ -51,6 +52,7 @@ class BatchRunner:
             log.warning("shard %d got message %s addressed to shard %d; only jobs recorded "
                         "for this shard run", self.shard, message_id, message.shard)
         jobs = self._claim(message, redelivered)
+        self._hooks.on_claim([job.job_id for job in jobs])
         requests, checks = self._requests(jobs)
         completion = Completion(len(requests))
         results: list[EngineResult] = []
@@ -63,13 +65,12 @@ class BatchRunner:
             self._recorder.job_finished(_outcome(result), self.shard, checks[result.job_id],
                                         completion)
 
-        with self._lock:
-            if requests and self._first_admission is None:
-                self._first_admission = started
+        self._hooks.on_admit(len(requests), started)
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
             self._recorder.batch_finished(self._batch_stats(started, results))
+        self._hooks.on_batch_end(len(requests), started)
         return {"jobs": len(requests), "skipped": len(message.job_ids) - len(requests)}
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
@@ -128,13 +129,6 @@ class BatchRunner:
         texts = list(dict.fromkeys(part for part in parts if isinstance(part, str)))
         tokenized = {text: tuple(ids) for text, ids in zip(texts, tokenize(texts), strict=True)}
         return [tokenized[part] if isinstance(part, str) else part for part in parts]
-
-    def take_first_admission(self) -> float | None:
-        """When (`time.time()`) the earliest batch since the last call went to the engine,
-        after its claim; None if none did. A job's `started_at` is its claim's start."""
-        with self._lock:
-            first, self._first_admission = self._first_admission, None
-        return first
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:

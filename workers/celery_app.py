@@ -22,11 +22,11 @@ from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
-from workers import bench_control, broker_fixes
+from workers import broker_fixes
 from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, Pacing, engine_args
-from workers.gcpause import GcPauseMeter
+from workers.hooks import WorkerContext, WorkerHooks, load_hooks
 from workers.leases import LeaseKeeper
 from workers.recorder import ResultRecorder
 
@@ -44,12 +44,12 @@ class WorkerRuntime:
     """Everything a worker holds for its lifetime: engine, store, recorder, leases, the
     cancel listener and the reconciler that sends stranded jobs again."""
 
-    def __init__(self, settings: Settings, shard: int) -> None:
+    def __init__(self, settings: Settings, shard: int, hooks: WorkerHooks) -> None:
         self.settings = settings
         self.shard = shard
+        self.hooks = hooks
         self.runner: BatchRunner | None = None
         self.collections = CollectionWindow()
-        self.gc_pauses = GcPauseMeter(working=lambda: self.collections.running)
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         broker_fixes.install(self._redis, queue_name(shard))
         self._store = Store(settings.resolved_database_url)
@@ -78,13 +78,13 @@ class WorkerRuntime:
         self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder, prompts=self.prompts,
-                                  max_attempts=self.settings.max_attempts)
+                                  max_attempts=self.settings.max_attempts, hooks=self.hooks)
         for thread in self._background:
             thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
-        self.gc_pauses.uninstall()
+        self.hooks.on_stop()
         self.leases.stop()
         self._recorder.stop()
         self.engine.shutdown()
@@ -142,7 +142,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         # result writes make a later redelivery harmless.
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
-    runtime = WorkerRuntime(settings, shard)
+    runtime = WorkerRuntime(settings, shard, load_hooks(settings.worker_hooks))
 
     @app.task(name=RUN_BATCH_TASK, ignore_result=True, bind=True)
     def run_batch(task: Any, payload: Any) -> dict[str, int]:
@@ -175,14 +175,12 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         # collector from scanning them again during every generation-2 pass.
         gc.collect()
         gc.freeze()
-        runtime.gc_pauses.install()
+        runtime.hooks.on_start(WorkerContext(shard, runtime.engine, runtime.prompts,
+                                             runtime.collections))
         log.info("shard %d ready; %d objects frozen", shard, gc.get_freeze_count())
 
     def on_shutdown(**_: Any) -> None:
         runtime.stop()
-
-    if settings.bench_control:
-        bench_control.register(runtime)
 
     signals.worker_init.connect(on_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)

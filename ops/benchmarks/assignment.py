@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jobsvc.bench import Bench, BenchOptions, bench_jobs, trial_shape
+from bench.run import Bench, BenchOptions, bench_jobs, trial_shape
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState

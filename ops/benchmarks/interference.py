@@ -26,8 +26,7 @@ from typing import Any
 import numpy
 import psutil
 
-from jobsvc.bench import BenchOptions, bench_jobs
-from jobsvc.local import shard_devices
+from bench.run import BenchOptions, bench_jobs, shard_devices
 from jobsvc.settings import Settings
 
 # A touching co-runner writes one byte per cache line, this many bytes of its buffer at a time
@@ -94,12 +93,12 @@ def main() -> None:
     # Standard output is for the JSON; the engine logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-    from workers.standalone import Job, StandaloneEngines, as_job
+    from bench.standalone import Job, StandaloneEngines, as_job
 
     settings = Settings.from_env(shards=1)
     touch_bytes = int(args.touch_mib * 1024 * 1024)
     cores = len(os.sched_getaffinity(0))
-    engines = StandaloneEngines(settings, shard_devices(settings))
+    engines = StandaloneEngines(settings, shard_devices(settings.shards))
     options = BenchOptions(workload="reuse")
 
     def jobs_of(trial: int) -> list[Job]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jobsvc.measure import chance_to_clear, parity_checks, ratio_summary
+from bench.measure import chance_to_clear, parity_checks, ratio_summary
 
 # What pooling reads from a report; other JSON with pairs (the interference script's) lacks it.
 REPORT_KEYS = ("workload", "shards", "median_ratio", "min_ratio", "cpu_ratio", "pairs")

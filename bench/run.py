@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import redis
 
-from jobsvc.client import Client
-from jobsvc.errors import ConfigurationError
-from jobsvc.local import LocalWorkers, shard_devices
-from jobsvc.measure import (
+from bench.measure import (
     DISTURBED_SHARE,
     ArmResult,
     Pair,
@@ -40,8 +38,8 @@ from jobsvc.measure import (
     shard_finish_spread_seconds,
     summarize_pairs,
 )
-from jobsvc.migrate import upgrade_to_head
-from jobsvc.processes import (
+from bench.probes import HOOKS_PATH
+from bench.processes import (
     FOREIGN_CPU,
     MACHINE_CPU,
     RUNNER_WAIT,
@@ -51,6 +49,11 @@ from jobsvc.processes import (
     server_processes,
     with_roles,
 )
+from bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
+from jobsvc.client import Client
+from jobsvc.errors import ConfigurationError
+from jobsvc.local import LocalWorkers
+from jobsvc.migrate import upgrade_to_head
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.cost import RoutingJob, decode_load
 from jobsvc.routing.prefix import document_keys
@@ -60,9 +63,6 @@ from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
-
-if TYPE_CHECKING:
-    from workers.standalone import StandaloneEngines, StandaloneRun
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,23 @@ _LAST_COMMIT_GRACE_SECONDS = 0.2
 _SETTLE_SECONDS = 1.0
 # How long a standalone burst on the workers' engines may take before the bench gives up.
 _WORKER_BURST_TIMEOUT_SECONDS = 1800.0
+# The device of each shard, space-separated: GPU indices on GPU hosts, core lists such as 0-1
+# on CPU hosts. Unset: the split of a 2-core CPU host.
+DEVICES_VARIABLE = "JOBSVC_BENCH_DEVICES"
+
+
+def shard_devices(shards: int, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The device each shard's worker binds (`--device`), and the standalone arm's engine of
+    that shard: DEVICES_VARIABLE when set, so that a GPU host runs the same code with GPU
+    indices; else both cores of a 2-core CPU host for one shard, one core each for more. The
+    bench's one setting of its own, and the one place it is read."""
+    devices = environ.get(DEVICES_VARIABLE, "").split()
+    if not devices:
+        return ["0-1"] if shards == 1 else [str(shard % 2) for shard in range(shards)]
+    if len(devices) != shards:
+        raise ConfigurationError(f"{DEVICES_VARIABLE} names {len(devices)} devices for "
+                                 f"{shards} shards; give one per shard")
+    return devices
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,7 @@ class BenchOptions:
     # what paced admission gains or costs. Each slot of a pair submits documents of its own,
     # so that neither finds the other's already stored.
     compare_admission: bool = False
-    # The standalone arm's admission style (`workers.standalone.ADMISSION_MODES`), fixed for
+    # The standalone arm's admission style (`bench.standalone.ADMISSION_MODES`), fixed for
     # the run; None calibrates between the styles and keeps the faster. A fixed style lets
     # two runs, one per style, measure the service against each with the same workload.
     standalone_admission: str | None = None
@@ -125,8 +142,6 @@ class BenchOptions:
 
 def check_options(settings: Settings, options: BenchOptions) -> None:
     """Refuse combinations of options that would not measure what they name."""
-    from workers.standalone import ADMISSION_MODES
-
     if options.standalone_admission not in (None, *ADMISSION_MODES):
         raise ConfigurationError(f"--standalone-admission must be one of {ADMISSION_MODES}, "
                                  f"not {options.standalone_admission!r}")
@@ -270,8 +285,8 @@ class Bench:
         self.settings = settings
         self.options = options
         self.progress = progress
-        devices = shard_devices(settings)
-        self.workers = LocalWorkers(replace(settings, bench_control=True), options.log_dir,
+        devices = shard_devices(settings.shards)
+        self.workers = LocalWorkers(replace(settings, worker_hooks=HOOKS_PATH), options.log_dir,
                                     devices=list(devices))
         self.devices = devices
         self.engines: StandaloneEngines | None = None
@@ -315,8 +330,6 @@ class Bench:
         """Start the service's workers and the standalone arm's engines, in either order (of
         two standalone engines started one after the other, the second ran faster in two of
         three runs, by 8-12 %, so a fixed order could favour one arm)."""
-        from workers.standalone import StandaloneEngines
-
         if self.options.standalone_on_workers:
             self.workers.start()
             return
@@ -369,8 +382,6 @@ class Bench:
     def run_on_workers(self, jobs_by_shard: list[list[tuple[str, str, dict[str, Any]]]],
                        mode: str) -> StandaloneRun:
         """One standalone burst on the workers' own engines, every shard at once."""
-        from workers.standalone import StandaloneRun
-
         replies = self.ask_every_worker(
             "run_standalone_burst", timeout=_WORKER_BURST_TIMEOUT_SECONDS,
             arguments={"jobs_by_shard": jobs_by_shard, "mode": mode})
@@ -493,8 +504,6 @@ class Bench:
         engines = self.engines
         if engines is None and not self.options.standalone_on_workers:
             raise RuntimeError("the standalone engines are not running")
-        from workers.standalone import as_job
-
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
         for job, shard in zip(jobs, shape.shard_of_job, strict=True):
@@ -573,8 +582,6 @@ def run_bench(settings: Settings, options: BenchOptions,
     check_options(settings, options)
     upgrade_to_head(settings.resolved_database_url)
     bench = Bench(settings, options, progress)
-    from workers.standalone import ADMISSION_MODES
-
     progress(f"starting {settings.shards} service worker(s)"
              + ("" if options.standalone_on_workers else " and standalone engine(s)"))
     try:

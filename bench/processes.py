@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from jobsvc.measure import (
+from bench.measure import (
     ENGINE_ROLE,
     ProcessKey,
     busy_seconds,

@@ -1,0 +1,79 @@
+"""Where instruments attach to a worker: a call when the worker is ready and when it stops, and
+one at each step of a batch's life (claimed, admitted to the engine, finished). A worker calls
+the no-op `WorkerHooks` unless `JOBSVC_WORKER_HOOKS` names a factory of other hooks, imported
+at start-up; so the product carries no instrument, and a benchmark or a probe attaches from a
+package of its own."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jobsvc.errors import ConfigurationError
+from jobsvc.prompts import PromptBuilder
+from workers.collector import CollectionWindow
+from workers.engine import EngineAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a ready worker lends its hooks: its shard, its started engine, the prompt builder
+    its batches use, and the window that holds collections off while work runs (work a hook
+    drives on the engine belongs inside it, as a batch does)."""
+
+    shard: int
+    engine: EngineAdapter
+    prompts: PromptBuilder
+    collections: CollectionWindow
+
+
+class WorkerHooks:
+    """Does nothing at every point; instruments override the points they need. The batch
+    points run on the batch's own thread, in its hot path: an override must be quick and must
+    not raise."""
+
+    def on_start(self, worker: WorkerContext) -> None:
+        """The engine runs and start-up objects are frozen; the worker consumes next."""
+
+    def on_claim(self, job_ids: Sequence[str]) -> None:
+        """A message's jobs that this worker claimed and will run."""
+
+    def on_admit(self, jobs: int, admitted_at: float) -> None:
+        """A batch of `jobs` requests goes to the engine at `admitted_at` (`time.time()`)."""
+
+    def on_batch_end(self, jobs: int, admitted_at: float) -> None:
+        """Every result of the batch admitted at `admitted_at` is committed; its message is
+        acknowledged next."""
+
+    def on_stop(self) -> None:
+        """The worker shuts down."""
+
+
+def load_hooks(path: str) -> WorkerHooks:
+    """The hooks a `module:factory` path names (the factory is called with no argument), or
+    the no-op ones for an empty path."""
+    if not path:
+        return WorkerHooks()
+    module_name, _, factory_name = path.partition(":")
+    if not module_name or not factory_name:
+        raise ConfigurationError(f"JOBSVC_WORKER_HOOKS={path!r} is not of the form "
+                                 "module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigurationError(f"JOBSVC_WORKER_HOOKS={path!r}: cannot import "
+                                 f"{module_name} ({error})") from error
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ConfigurationError(f"JOBSVC_WORKER_HOOKS={path!r}: {module_name} has no "
+                                 f"callable {factory_name}")
+    hooks = factory()
+    if not isinstance(hooks, WorkerHooks):
+        raise ConfigurationError(f"JOBSVC_WORKER_HOOKS={path!r} made a "
+                                 f"{type(hooks).__name__}, not WorkerHooks")
+    log.info("worker hooks attached from %s", path)
+    return hooks

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jobsvc.console import configure_logging
 from jobsvc.errors import JobsvcError
 from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.settings import Settings, masked_url
@@ -162,9 +162,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env()
-        logging.basicConfig(level=settings.log_level,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(settings.log_level, explicit="JOBSVC_LOG_LEVEL" in os.environ,
+                          worker=args.command == "worker")
         args.run(settings, args)
     except JobsvcError as error:
         print(f"jobsvc: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        # The with-blocks on the way here stopped what the command started: no traceback.
+        print("\njobsvc: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -1,50 +1,72 @@
 """`jobsvc demo`: the whole pipeline on one machine with embedded defaults — local workers
-with the tiny CPU model, Redis for the queues, SQLite unless a database URL is given."""
+with the tiny CPU model, Redis for the queues (a private one when none answers), SQLite unless
+a database URL is given."""
 
 from __future__ import annotations
 
-import sys
 import time
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import redis
 
 from jobsvc.client import Client
+from jobsvc.console import StatusLine
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
+from jobsvc.private_redis import PrivateRedis
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobRecord
 from jobsvc.workloads import document_questions
 
 
-def _say(text: str, *, same_line: bool = False) -> None:
-    end = "" if same_line and sys.stdout.isatty() else "\n"
-    prefix = "\r\x1b[K" if same_line and sys.stdout.isatty() else ""
-    print(f"{prefix}{text}", end=end, flush=True)
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
-def _check_redis(url: str) -> None:
+def _redis_answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=3).ping()
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
     except redis.RedisError as error:
         raise ConfigurationError(
-            f"cannot reach Redis at {url} ({error}); start one (redis-server) or set "
-            "JOBSVC_REDIS_URL") from None
+            f"Redis at {url} answered with an error ({error}); fix JOBSVC_REDIS_URL") from None
+    finally:
+        client.close()
+    return True
+
+
+def _broker(settings: Settings, stack: ExitStack) -> Settings:
+    """These settings if their Redis answers, else settings for a private Redis that lives as
+    long as `stack`: like the embedded SQLite, nothing needs to run before the demo."""
+    if _redis_answers(settings.redis_url):
+        return settings
+    server = stack.enter_context(PrivateRedis())
+    _say(f"no Redis answers at {settings.redis_url}: started a private one for this run at "
+         f"{server.url} ({server.binary.name}, pid {server.pid}, no persistence)")
+    return replace(settings, redis_url=server.url)
 
 
 def run_demo(settings: Settings, *, documents: int, questions: int, words: int) -> None:
-    _check_redis(settings.redis_url)
-    workers = LocalWorkers(settings, Path("jobsvc-logs"))
-    settings = workers.settings
-    upgrade_to_head(settings.resolved_database_url)
-    _say(f"database: {settings.resolved_database_url}")
-    _say(f"starting {settings.shards} worker(s) with model {settings.model} "
-         f"(logs in {workers.log_dir}/)")
-    with workers, Client(settings=settings) as client:
-        workers.start(progress=lambda line: _say(line, same_line=True))
-        _say("")
+    # Left in reverse order: the workers' warm shutdown still reaches a private Redis.
+    with ExitStack() as stack:
+        given_redis_url = settings.redis_url
+        settings = _broker(settings, stack)
+        workers = stack.enter_context(LocalWorkers(settings, Path("jobsvc-logs")))
+        settings = workers.settings
+        upgrade_to_head(settings.resolved_database_url)
+        _say(f"database: {settings.resolved_database_url}")
+        _say(f"starting {settings.shards} worker(s) with model {settings.model} "
+             f"(logs in {workers.log_dir}/)")
+        client = stack.enter_context(Client(settings=settings))
+        status = StatusLine()
+        workers.start(progress=status.update)
+        status.finish()
         jobs = document_questions(documents, questions, words, seed=int(time.time()))
         started = time.monotonic()
         ids = client.submit_many(
@@ -52,15 +74,17 @@ def run_demo(settings: Settings, *, documents: int, questions: int, words: int) 
             for job in jobs)
         _say(f"submitted {len(ids)} jobs ({documents} documents x {questions} questions)")
         while pending := client.pending(ids):
-            _say(f"progress: {len(ids) - pending} of {len(ids)} jobs finished", same_line=True)
+            status.update(f"progress: {len(ids) - pending} of {len(ids)} jobs finished")
             time.sleep(0.5)
         records = client.wait(ids)
         elapsed = time.monotonic() - started
-        _say("")
-        _print_summary(settings, records, elapsed)
+        status.finish(f"progress: {len(ids)} of {len(ids)} jobs finished")
+        _print_summary(settings, records, elapsed,
+                       redis_stays=settings.redis_url == given_redis_url)
 
 
-def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float) -> None:
+def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float, *,
+                   redis_stays: bool) -> None:
     statuses = {status.value: sum(r.status == status for r in records) for status in JobStatus}
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens or 0 for r in records)
@@ -80,7 +104,8 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float)
         f"look at one: .venv/bin/python -c \"from jobsvc import Client; "
         f"print(Client().get('{example.job_id}'))\"",
         f"  -> {example.status.value}: {example.answer!r}",
-        "watch queues in Flower: .venv/bin/jobsvc flower  (then http://127.0.0.1:"
-        f"{settings.flower_port}/)",
     ]
+    if redis_stays:
+        lines.append("watch queues in Flower: .venv/bin/jobsvc flower  (then http://127.0.0.1:"
+                     f"{settings.flower_port}/)")
     _say("\n".join(lines))

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from alembic import command
 from alembic.config import Config
 
-from jobsvc.settings import REPOSITORY_ROOT
+import migrations
 
 
 def upgrade_to_head(database_url: str) -> None:
     config = Config()
-    config.set_main_option("script_location", str(REPOSITORY_ROOT / "migrations"))
+    # The installed `migrations` package, so a wheel migrates from any working directory.
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     config.attributes["database_url"] = database_url
     command.upgrade(config, "head")

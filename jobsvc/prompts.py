@@ -11,12 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.settings import TINY_MODEL
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 
 
 class PromptBuilder:
     def __init__(self, model: str, max_model_len: int = 0) -> None:
+        if Path(model) == TINY_MODEL and not TINY_MODEL.is_dir():
+            # Said here, where producers and workers first need the model, before vLLM would
+            # take the missing folder for a model name to download.
+            raise ConfigurationError(
+                f"no model at {model}, the default JOBSVC_MODEL: the tiny test model comes "
+                "with a checkout of the repository (ops/tiny-llama), not with the installed "
+                "package; set JOBSVC_MODEL to a model folder or a Hugging Face model name")
         self._model = model
         self._max_model_len = max_model_len
 

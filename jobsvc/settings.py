@@ -13,8 +13,9 @@ from jobsvc.errors import ConfigurationError
 from jobsvc.routing.cost import DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-TINY_MODEL = REPOSITORY_ROOT / "ops" / "tiny-llama"
+# The tiny test model, the default JOBSVC_MODEL, lives in a checkout of the repository, not in
+# the installed package: an installed jobsvc elsewhere needs JOBSVC_MODEL (see `prompts`).
+TINY_MODEL = Path(__file__).resolve().parent.parent / "ops" / "tiny-llama"
 EMBEDDED_DATABASE_URL = "sqlite:///jobsvc.db"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -46,12 +46,22 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.line("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
 
 
-def recreate_database(name: str = TEST_DATABASE) -> str:
-    """An empty PostgreSQL database of this name at the schema's head; returns its URL."""
+def drop_database(name: str) -> None:
     with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
         connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def empty_database(name: str) -> str:
+    """A new, empty PostgreSQL database of this name (replacing one left over); its URL."""
+    drop_database(name)
+    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
         connection.execute(f"CREATE DATABASE {name}")
-    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    return POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def recreate_database(name: str = TEST_DATABASE) -> str:
+    """An empty PostgreSQL database of this name at the schema's head; returns its URL."""
+    url = empty_database(name)
     upgrade_to_head(url)
     return url
 

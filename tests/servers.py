@@ -1,5 +1,6 @@
 """Private Redis and PostgreSQL servers on loopback for fault tests: the tests may stop and
-restart them at will without touching the machine's own servers."""
+restart them at will without touching the machine's own servers. The Redis one is the demo's
+(`jobsvc.private_redis`)."""
 
 from __future__ import annotations
 
@@ -7,38 +8,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
-import redis
 
+from jobsvc.private_redis import PrivateRedis
 
-class PrivateRedis:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self._process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", tempfile.gettempdir()],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"private Redis on port {self.port} did not start")
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait(timeout=10)
-            self._process = None
+__all__ = ["PrivatePostgres", "PrivateRedis"]
 
 
 class PrivatePostgres:

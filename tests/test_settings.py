@@ -8,6 +8,7 @@ import pytest
 
 from jobsvc import compression
 from jobsvc.errors import ConfigurationError
+from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
 from jobsvc.workloads import document_questions, lexicon
 from workers.engine import engine_args
@@ -47,3 +48,12 @@ def test_the_tiny_model_runs_float32_unless_told_otherwise(tmp_path: Path) -> No
     assert engine_args(Settings.from_env({}))["dtype"] == "float32"
     assert engine_args(Settings.from_env({"JOBSVC_DTYPE": "bfloat16"}))["dtype"] == "bfloat16"
     assert engine_args(Settings.from_env({"JOBSVC_MODEL": str(tmp_path)}))["dtype"] == "auto"
+
+
+def test_a_missing_default_model_is_refused_naming_the_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed jobsvc away from a checkout has no tiny model at the default path."""
+    absent = tmp_path / "ops" / "tiny-llama"
+    monkeypatch.setattr("jobsvc.prompts.TINY_MODEL", absent)
+    with pytest.raises(ConfigurationError, match="set JOBSVC_MODEL"):
+        PromptBuilder(str(absent))

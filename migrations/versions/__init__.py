@@ -1,0 +1,1 @@
+"""One module per schema change, applied in order by `jobsvc migrate`."""

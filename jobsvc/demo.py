@@ -18,7 +18,7 @@ from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.private_redis import PrivateRedis
 from jobsvc.schema import JobStatus
-from jobsvc.settings import Settings
+from jobsvc.settings import Settings, masked_url
 from jobsvc.store import JobRecord
 from jobsvc.workloads import document_questions
 
@@ -35,7 +35,8 @@ def _redis_answers(url: str) -> bool:
         return False
     except redis.RedisError as error:
         raise ConfigurationError(
-            f"Redis at {url} answered with an error ({error}); fix JOBSVC_REDIS_URL") from None
+            f"Redis at {masked_url(url)} answered with an error ({error}); "
+            "fix JOBSVC_REDIS_URL") from None
     finally:
         client.close()
     return True
@@ -47,8 +48,8 @@ def _broker(settings: Settings, stack: ExitStack) -> Settings:
     if _redis_answers(settings.redis_url):
         return settings
     server = stack.enter_context(PrivateRedis())
-    _say(f"no Redis answers at {settings.redis_url}: started a private one for this run at "
-         f"{server.url} ({server.binary.name}, pid {server.pid}, no persistence)")
+    _say(f"no Redis answers at {masked_url(settings.redis_url)}: started a private one for "
+         f"this run at {server.url} ({server.binary.name}, pid {server.pid}, no persistence)")
     return replace(settings, redis_url=server.url)
 
 
@@ -60,7 +61,7 @@ def run_demo(settings: Settings, *, documents: int, questions: int, words: int) 
         workers = stack.enter_context(LocalWorkers(settings, Path("jobsvc-logs")))
         settings = workers.settings
         upgrade_to_head(settings.resolved_database_url)
-        _say(f"database: {settings.resolved_database_url}")
+        _say(f"database: {masked_url(settings.resolved_database_url)}")
         _say(f"starting {settings.shards} worker(s) with model {settings.model} "
              f"(logs in {workers.log_dir}/)")
         client = stack.enter_context(Client(settings=settings))
@@ -100,7 +101,8 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float,
         f"prefix-cache hit rate: {cached / max(prompt, 1):.3f} "
         f"({cached} of {prompt} prompt tokens served from cache)",
         f"jobs per shard: {dict(sorted(shards.items()))}",
-        f"results are in: {settings.resolved_database_url} (tables jobs, results, batch_stats)",
+        f"results are in: {masked_url(settings.resolved_database_url)} "
+        "(tables jobs, results, batch_stats)",
         f"look at one: .venv/bin/python -c \"from jobsvc import Client; "
         f"print(Client().get('{example.job_id}'))\"",
         f"  -> {example.status.value}: {example.answer!r}",

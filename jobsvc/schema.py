@@ -20,8 +20,8 @@ DEFAULT_TEMPERATURE = 0.0
 
 
 class JobStatus(StrEnum):
-    QUEUED = "queued"  # recorded and enqueued, not yet admitted to an engine
-    RUNNING = "running"  # admitted to a worker's engine
+    QUEUED = "queued"  # recorded and enqueued (perhaps claimed), not yet admitted to an engine
+    RUNNING = "running"  # admitted to a worker's engine (shown within a second of it)
     SUCCEEDED = "succeeded"  # answer recorded
     FAILED = "failed"  # ended with a recorded error
     CANCELLED = "cancelled"  # cancelled by the user before it finished

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +25,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    and_,
     any_,
     bindparam,
     create_engine,
@@ -141,6 +142,8 @@ class JobRecord:
     completion_tokens: int | None
     cached_tokens: int | None
     submitted_at: datetime
+    # When a worker admitted the job to its engine (status `running` from then on); a job a
+    # worker has claimed but not yet admitted is still `queued`.
     started_at: datetime | None
     finished_at: datetime | None
     # When the answer was written: `finished_at` is the engine's end of the job, and the
@@ -295,6 +298,12 @@ answered AS (
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
 
 
+_MARK_STARTED_POSTGRESQL = text("""
+UPDATE jobs SET status = 'running', started_at = s.started_at
+FROM unnest(CAST(:ids AS varchar[]), CAST(:started_at AS timestamptz[])) AS s (id, started_at)
+WHERE jobs.id = s.id AND jobs.status <> ALL(CAST(:not_queued AS varchar[]))""")
+
+
 def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOutcome]
                                 ) -> dict[int, int]:
     succeeded = [o for o in outcomes if o.error is None]
@@ -338,16 +347,16 @@ class Store:
         self._reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         # A worker's statements for every batch, built once: building and keying a statement
         # cost more of its CPU than sending it.
-        # Only the job's own message, on the job's own shard, claims it: a queued job, or a
-        # running one whose message came back because its worker stopped (`redelivered`).
+        # Only the job's own message, on the job's own shard, claims it: a job no worker has
+        # claimed, or one whose message came back because its worker stopped (`redelivered`).
+        # The job stays queued until the worker admits it to its engine (`started`).
         self._claim = (
             update(Job)
             .where(self._among_listed(Job.id, "job_ids"), Job.shard == bindparam("b_shard"),
                    Job.message_id == bindparam("b_message_id"), _unfinished(Job.status),
                    or_(bindparam("redelivered", type_=Boolean),
-                       Job.status != JobStatus.RUNNING.value))
-            .values(status=JobStatus.RUNNING.value, started_at=bindparam("now"),
-                    worker=bindparam("worker"), attempts=Job.attempts + 1)
+                       and_(Job.worker.is_(None), Job.status != JobStatus.RUNNING.value)))
+            .values(worker=bindparam("worker"), attempts=Job.attempts + 1)
             .returning(Job.id, Job.attempts, Job.document_key, Job.question,
                        Job.question_tokens_zst, Job.sampling, Job.estimated_prefill))
         self._document_tokens = select(Document.key, Document.tokens_zst).where(
@@ -393,8 +402,8 @@ class Store:
 
     def claim_batch(self, job_ids: Sequence[str], *, message_id: str, shard: int,
                     redelivered: bool, worker: str, max_attempts: int) -> Claim:
-        """Mark the jobs that this message may run running and read what they run, in one
-        transaction. Jobs finished, cancelled, on another shard or owned by another message
+        """Claim for this worker the jobs that this message may run and read what they run, in
+        one transaction. Jobs finished, cancelled, on another shard or owned by another message
         are left alone. A job delivered more than `max_attempts` times ends failed instead,
         and so does one whose document reads back as neither tokens nor text (no delivery
         could run it). A batch asks several questions of each document: each is read once."""
@@ -402,7 +411,7 @@ class Store:
         with self.engine.begin() as connection:
             claimed = connection.execute(self._claim, {
                 "job_ids": list(job_ids), "b_message_id": message_id, "b_shard": shard,
-                "redelivered": redelivered, "now": utcnow(), "worker": worker}).all()
+                "redelivered": redelivered, "worker": worker}).all()
             exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
                 released = self._fail(
@@ -467,7 +476,8 @@ class Store:
 
     def assign_messages(self, messages: Sequence[BatchMessage]) -> None:
         """Hand unfinished jobs to new messages, which alone may run them from now on; a job
-        a worker was running becomes queued again (its worker's message is gone)."""
+        a worker had claimed becomes queued and unclaimed again (its worker's message is
+        gone)."""
         now = utcnow()
         with self.engine.begin() as connection:
             for message in messages:
@@ -475,7 +485,7 @@ class Store:
                     update(Job).where(self._among(Job.id, message.job_ids),
                                       Job.status.in_(_ACTIVE))
                     .values(message_id=message.message_id, status=JobStatus.QUEUED.value,
-                            enqueued_at=now))
+                            worker=None, enqueued_at=now))
 
     def active_load(self) -> dict[int, int]:
         """What every unfinished job charged its shard, summed by shard."""
@@ -490,18 +500,22 @@ class Store:
             connection.execute(Job.__table__.delete().where(self._among(Job.id, job_ids)))
 
     def record_outcomes(self, outcomes: Sequence[JobOutcome],
-                        batch_stats: Sequence[dict[str, Any]] = ()) -> dict[int, int]:
-        """Record finished jobs, and the statistics of batches that ended with them, in one
-        transaction (one commit per gathering: each commit costs the database a WAL flush).
-        Only jobs still queued or running take the outcome: a job already finished (an
-        earlier delivery) or cancelled keeps its first ending. Returns the load of the jobs
-        this call ended, by shard."""
+                        batch_stats: Sequence[dict[str, Any]] = (),
+                        started: Mapping[str, datetime] | None = None) -> dict[int, int]:
+        """Record jobs admitted to an engine (`started`: when, by job ID) as running, then
+        finished jobs and the statistics of batches that ended with them, in one transaction
+        (one commit per gathering: each commit costs the database a WAL flush). Only jobs
+        still queued or running take the outcome: a job already finished (an earlier
+        delivery) or cancelled keeps its first ending. Returns the load of the jobs this call
+        ended, by shard."""
         # A job delivered twice can end twice in one gathering: its first ending counts.
         first: dict[str, JobOutcome] = {}
         for outcome in outcomes:
             first.setdefault(outcome.job_id, outcome)
         outcomes = list(first.values())
         with self.engine.begin() as connection:
+            if started:
+                self._mark_started(connection, started)
             if batch_stats:
                 connection.execute(BatchStat.__table__.insert(), list(batch_stats))
             if not outcomes:
@@ -509,6 +523,20 @@ class Store:
             if self._dialect is postgresql:
                 return _record_outcomes_postgresql(connection, outcomes)
             return self._record_outcomes_row_by_row(connection, outcomes)
+
+    def _mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
+        """Queued jobs become running: ended ones stay as they are."""
+        if self._dialect is postgresql:
+            connection.execute(_MARK_STARTED_POSTGRESQL, {
+                "ids": list(started), "started_at": list(started.values()),
+                "not_queued": [*_FINISHED, JobStatus.RUNNING.value]})
+            return
+        job = Job.__table__
+        connection.execute(
+            update(job).where(job.c.id == bindparam("b_id"),
+                              job.c.status == JobStatus.QUEUED.value)
+            .values(status=JobStatus.RUNNING.value, started_at=bindparam("b_started_at")),
+            [{"b_id": job_id, "b_started_at": at} for job_id, at in started.items()])
 
     def _record_outcomes_row_by_row(self, connection: Connection,
                                     outcomes: Sequence[JobOutcome]) -> dict[int, int]:

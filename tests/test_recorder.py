@@ -74,7 +74,7 @@ def test_results_of_a_batch_still_generating_are_gathered_into_one_write(
         _finish(recorder, job_ids[1], batch)
         assert not batch.wait(timeout=0.5)
         assert {record.status for record in store.get_many(job_ids).values()} == {
-            JobStatus.RUNNING}
+            JobStatus.QUEUED}
     # Stopping writes what was gathered: both results, in one transaction.
     records = store.get_many(job_ids)
     assert {record.status for record in records.values()} == {JobStatus.SUCCEEDED}

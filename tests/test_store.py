@@ -134,7 +134,7 @@ def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
     unwritable = {**_batch_stats("w", 1), "jobs": None}
     with pytest.raises(IntegrityError):
         store.record_outcomes([outcome], [unwritable])
-    assert store.get_many([job_id])[job_id].status is JobStatus.RUNNING
+    assert store.get_many([job_id])[job_id].status is JobStatus.QUEUED
     worker = f"w-{uuid.uuid4().hex}"
     store.record_outcomes([outcome], [_batch_stats(worker, 1)])
     assert store.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED
@@ -198,7 +198,8 @@ def test_lookups_by_job_ids_work_alike_on_postgresql_and_on_the_embedded_sqlite(
     for repository in (store, embedded):
         ids = [record_queued_job(repository) for _ in range(3)]
         assert set(claim(repository, ids[:2])) == set(ids[:2])
-        repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())])
+        repository.record_outcomes([JobOutcome(ids[0], "answer", None, 1, 0, utcnow())],
+                                   started=dict.fromkeys(ids[:2], utcnow()))
         assert repository.statuses([*ids, "unknown"]) == {
             ids[0]: JobStatus.SUCCEEDED, ids[1]: JobStatus.RUNNING, ids[2]: JobStatus.QUEUED}
         assert repository.count_unfinished(ids) == 2
@@ -264,7 +265,7 @@ def test_only_a_jobs_own_message_on_its_own_shard_claims_it(store: Store) -> Non
         connection.execute(update(Job).where(Job.id == elsewhere).values(shard=3))
         connection.execute(update(Job).where(Job.id == other_message).values(message_id="x"))
     assert set(claim(store, [own, elsewhere, other_message])) == {own}
-    # A copy of the message, not a redelivery, finds the job running and leaves it alone.
+    # A copy of the message, not a redelivery, finds the job claimed and leaves it alone.
     assert claim(store, [own]) == {}
     assert set(claim(store, [own], redelivered=True)) == {own}
     store.record_outcomes([JobOutcome(own, "answer", None, 1, 0, utcnow())])
@@ -318,3 +319,20 @@ def test_stranded_jobs_are_unfinished_ones_sent_before_the_grace_whose_message_i
     assert lost not in store.stranded_jobs(cutoff, [], 10_000).get(0, [])
     assert lost in store.stranded_jobs(utcnow(), ["live"], 10_000).get(0, [])
     assert lost not in store.stranded_jobs(utcnow(), ["resent"], 10_000).get(0, [])
+
+
+def test_a_claimed_job_stays_queued_until_admitted_then_runs_from_its_admission(
+        store: Store, embedded: Store) -> None:
+    for repository in (store, embedded):
+        job_id = record_queued_job(repository)
+        claim(repository, [job_id])
+        assert repository.get_many([job_id])[job_id].started_at is None
+        admitted = utcnow()
+        repository.record_outcomes([], started={job_id: admitted})
+        record = repository.get_many([job_id])[job_id]
+        assert record.status is JobStatus.RUNNING
+        assert record.started_at.replace(tzinfo=UTC) == admitted
+        # A late admission of a job that already ended changes nothing.
+        repository.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
+        repository.record_outcomes([], started={job_id: utcnow()})
+        assert repository.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED

@@ -66,6 +66,9 @@ class BatchRunner:
                                         completion)
 
         self._hooks.on_admit(len(requests), started)
+        if requests:
+            self._recorder.jobs_started([request.job_id for request in requests],
+                                        datetime.fromtimestamp(started, UTC))
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:

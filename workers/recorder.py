@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from jobsvc.routing.feedback import CacheFeedback
@@ -78,6 +79,7 @@ class _Pending:
     cache_errors: dict[int, tuple[int, int]] = field(default_factory=dict)
     completions: dict[int, tuple[Completion, int]] = field(default_factory=dict)
     batch_stats: list[dict[str, Any]] = field(default_factory=list)
+    started: dict[str, datetime] = field(default_factory=dict)
 
 
 class ResultRecorder:
@@ -108,6 +110,10 @@ class ResultRecorder:
                      completion: Completion) -> None:
         self._gather(("job", (outcome, shard, check, completion)),
                      completes_batch=completion.finished())
+
+    def jobs_started(self, job_ids: list[str], started_at: datetime) -> None:
+        """Jobs admitted to the engine: they show as running from the next write on."""
+        self._gather(("started", (job_ids, started_at)))
 
     def batch_finished(self, row: dict[str, Any]) -> None:
         self._gather(("batch", row))
@@ -148,6 +154,10 @@ class ResultRecorder:
         if kind == "batch":
             pending.batch_stats.append(payload)
             return
+        if kind == "started":
+            job_ids, started_at = payload
+            pending.started.update(dict.fromkeys(job_ids, started_at))
+            return
         if kind == "release":
             _add_loads(pending.releases, payload)
             return
@@ -162,7 +172,7 @@ class ResultRecorder:
         pending.completions[id(completion)] = (known, count + 1)
 
     def _write(self, pending: _Pending) -> None:
-        if pending.outcomes or pending.batch_stats:
+        if pending.outcomes or pending.batch_stats or pending.started:
             _add_loads(pending.releases, self._record_until_done(pending))
         try:
             self._shard_state.release(pending.releases)
@@ -180,7 +190,8 @@ class ResultRecorder:
         attempt = 0
         while True:
             try:
-                return self._store.record_outcomes(pending.outcomes, pending.batch_stats)
+                return self._store.record_outcomes(pending.outcomes, pending.batch_stats,
+                                                   pending.started)
             except Exception as error:
                 delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]
                 reason = str(error).splitlines()[0][:300]

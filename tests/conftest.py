@@ -35,6 +35,18 @@ ROUTING_REDIS_URL = os.environ.get("JOBSVC_TEST_ROUTING_REDIS_URL",
 FAULT_TABLE: list[dict[str, object]] = []
 
 
+TIERS = ("unit", "integration", "faults", "bench")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier, so that selecting tiers never misses one."""
+    for item in items:
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"{item.nodeid} must be in exactly one tier of {TIERS} "
+                                    f"(pytestmark), not {tiers}")
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not FAULT_TABLE:
         return

@@ -19,6 +19,8 @@ from jobsvc.settings import Settings
 from workers.collector import CollectionWindow
 from workers.hooks import WorkerContext
 
+pytestmark = pytest.mark.bench
+
 # Builds a worker's app in a process of its own (Celery keeps one registry of commands per
 # process), makes it ready as Celery would once its engine runs, and prints the
 # remote-control commands it would answer and the collector callbacks it added.

@@ -12,6 +12,8 @@ import pytest
 from jobsvc.errors import ConfigurationError
 from workers.bootstrap import autogroups_enabled, cpu_cores
 
+pytestmark = pytest.mark.integration
+
 _REPORT_AFFINITIES = """
 import multiprocessing, os, sys, threading
 from workers.bootstrap import keep_to_device, kept_to_device

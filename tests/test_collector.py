@@ -7,7 +7,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from workers.collector import CollectionWindow
+
+pytestmark = pytest.mark.unit
 
 
 def _collections() -> int:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from jobsvc import compression
 from jobsvc.compression import TokenFrameError, pack_tokens, unpack_tokens
 
+pytestmark = pytest.mark.unit
+
 
 @given(st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=300))
 def test_token_frames_round_trip_any_ids(tokens: list[int]) -> None:

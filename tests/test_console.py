@@ -13,6 +13,8 @@ import pytest
 
 from jobsvc.console import StatusLine, configure_logging
 
+pytestmark = pytest.mark.integration
+
 
 class Terminal(io.StringIO):
     def isatty(self) -> bool:

@@ -32,6 +32,8 @@ from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE
 from tests.servers import PrivatePostgres, PrivateRedis
 
+pytestmark = pytest.mark.faults
+
 FINISH_TIMEOUT = 240
 
 

@@ -17,6 +17,8 @@ from jobsvc.settings import Settings
 from jobsvc.store import Job, JobOutcome, Store, utcnow
 from tests.conftest import claim
 
+pytestmark = pytest.mark.integration
+
 
 def _answer(store: Store, job_id: str) -> None:
     claim(store, [job_id])

@@ -22,6 +22,8 @@ from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 
+pytestmark = pytest.mark.integration
+
 _DEADLINE_SECONDS = 60
 
 

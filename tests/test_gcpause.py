@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from bench.gcpause import GcPauseMeter
+
+pytestmark = pytest.mark.bench
 
 
 def test_meter_records_each_generation_and_starts_over_after_a_take() -> None:

@@ -8,6 +8,8 @@ import pytest
 from jobsvc.errors import ConfigurationError
 from workers.hooks import WorkerHooks, load_hooks
 
+pytestmark = pytest.mark.unit
+
 
 class Counting(WorkerHooks):
     def __init__(self) -> None:

@@ -8,6 +8,10 @@ import ast
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jobsvc", "workers", "bench")
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import fnmatch
 
+import pytest
+
 from jobsvc.keys import ALL_QUEUES_PATTERN, cache_key, queue_name
+
+pytestmark = pytest.mark.unit
 
 
 def test_shard_queues_keep_their_public_names_and_one_pattern_matches_them_all() -> None:

@@ -47,6 +47,8 @@ from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs
 
+pytestmark = pytest.mark.bench
+
 
 def test_percentiles_interpolate_linearly() -> None:
     assert percentile([1, 2, 3, 4], 0.5) == 2.5

@@ -26,6 +26,8 @@ from workers.engine import (
     gather_paced,
 )
 
+pytestmark = pytest.mark.bench
+
 
 def _start_times(count: int, pacing: Pacing) -> tuple[list[int], list[float]]:
     """Each request's result (its index) and the moment it started, from the first start."""

@@ -22,6 +22,8 @@ from jobsvc.settings import Settings
 from jobsvc.store import Document, Job, Result, Store
 from jobsvc.workloads import document, document_questions, question
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT = 180
 
 

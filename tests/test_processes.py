@@ -24,6 +24,8 @@ from bench.processes import (
     with_roles,
 )
 
+pytestmark = pytest.mark.bench
+
 # A child that keeps to the first core and spins until stopped; with a name, it first renames
 # itself (vLLM names its model runner "VLLM::Worker...").
 _SPINNER = ("import os, sys\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,8 @@ from jobsvc import Client, InvalidJob, JobStatus
 from jobsvc.keys import ALL_QUEUES_PATTERN
 from jobsvc.schema import SAMPLING_KEYS, JobLimits, validate_job
 from jobsvc.store import Job, Store
+
+pytestmark = pytest.mark.integration
 
 LIMITS = JobLimits(max_document_chars=5000, max_question_chars=500, max_stop_chars=1000,
                    max_job_bytes=1 << 20)

@@ -21,6 +21,8 @@ from jobsvc.store import Job, Store, utcnow
 from jobsvc.transport import make_celery
 from tests.conftest import TEST_DATABASE, record_queued_job, recreate_database
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture()
 def reconciling(routing_settings: Settings) -> Iterator[tuple[Settings, Store, Reconciler]]:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis
 
 from jobsvc.routing.feedback import CacheFeedback
@@ -19,6 +20,8 @@ from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
 from tests.conftest import claim
 from workers.recorder import CacheCheck, Completion, ResultRecorder
+
+pytestmark = pytest.mark.integration
 
 # Far longer than any test waits: a write before it ends was not gathering.
 _GATHER_SECONDS = 60.0

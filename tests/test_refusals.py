@@ -22,6 +22,8 @@ from jobsvc.store import Job, Store
 from jobsvc.transport import RUN_BATCH_TASK
 from jobsvc.workloads import document, question
 
+pytestmark = pytest.mark.integration
+
 GOOD_DOCUMENT = "A short document about the lighthouse keeper and her seven cats."
 GOOD_QUESTION = "How many cats are there?"
 

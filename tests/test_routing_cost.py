@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jobsvc.routing.cost import (
     Route,
     RoutingJob,
@@ -11,6 +13,8 @@ from jobsvc.routing.cost import (
     loads_per_shard,
 )
 from jobsvc.routing.prefix import document_keys
+
+pytestmark = pytest.mark.unit
 
 
 def test_demands_charge_the_document_once_and_each_question_its_uncached_part() -> None:

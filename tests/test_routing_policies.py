@@ -20,6 +20,8 @@ from jobsvc.routing.policies import (
 )
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 16
 # Chains of four blocks; the ints stand for chained block hashes.
 DOC_A = [1, 2, 3, 4]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jobsvc.routing.prefix import block_hashes, document_keys
+
+pytestmark = pytest.mark.unit
 
 
 def test_block_hashes_are_chained_so_equal_blocks_after_different_prefixes_differ() -> None:

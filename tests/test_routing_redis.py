@@ -20,6 +20,8 @@ from jobsvc.routing.state import ShardState, parse_loads
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 
+pytestmark = pytest.mark.integration
+
 
 def test_all_questions_on_a_document_go_to_one_shard_and_new_documents_spread(
         routing_settings) -> None:

@@ -8,6 +8,8 @@ from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.errors import InvalidJob
 from jobsvc.schema import BatchMessage, JobLimits, MessageError, validate_job
 
+pytestmark = pytest.mark.unit
+
 LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=10,
                    max_job_bytes=1024)
 

@@ -13,6 +13,8 @@ from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
 from jobsvc.workloads import document_questions, lexicon
 from workers.engine import engine_args
 
+pytestmark = pytest.mark.unit
+
 
 def test_settings_read_typed_values_from_the_environment() -> None:
     settings = Settings.from_env({"JOBSVC_SHARDS": "3", "JOBSVC_ENFORCE_EAGER": "no",

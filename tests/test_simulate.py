@@ -26,6 +26,8 @@ from jobsvc.simulate import (
     run_simulation,
 )
 
+pytestmark = pytest.mark.unit
+
 SMALL = WorkloadShape(jobs=4000, documents=256)
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 from tests.conftest import ask_worker, set_pacing
+
+pytestmark = pytest.mark.bench
 
 
 def _burst(settings: Settings, jobs: list[list[Any]], mode: str) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
 from tests.conftest import TEST_MESSAGE, claim, queued_job_row, record_queued_job
 
+pytestmark = pytest.mark.integration
+
 
 def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
         store: Store, queued_job: Callable[[], str]) -> None:

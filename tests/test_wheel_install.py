@@ -18,6 +18,8 @@ from alembic.script import ScriptDirectory
 import migrations
 from tests.conftest import TEST_DATABASE, drop_database, empty_database
 
+pytestmark = pytest.mark.integration
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 # What the wheel is built from; the build writes its scratch folders beside these.
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "jobsvc", "workers", "migrations")

@@ -17,6 +17,8 @@ from jobsvc.workloads import (
     write_jsonl_jobs,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_popularity_counts_cover_every_job_most_asked_first() -> None:
     counts = popularity_counts(256, 96)

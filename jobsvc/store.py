@@ -403,10 +403,11 @@ class Store:
     def claim_batch(self, job_ids: Sequence[str], *, message_id: str, shard: int,
                     redelivered: bool, worker: str, max_attempts: int) -> Claim:
         """Claim for this worker the jobs that this message may run and read what they run, in
-        one transaction. Jobs finished, cancelled, on another shard or owned by another message
-        are left alone. A job delivered more than `max_attempts` times ends failed instead,
-        and so does one whose document reads back as neither tokens nor text (no delivery
-        could run it). A batch asks several questions of each document: each is read once."""
+        one transaction; they come back in the order given. Jobs finished, cancelled, on
+        another shard or owned by another message are left alone. A job delivered more than
+        `max_attempts` times ends failed instead, and so does one whose document reads back
+        as neither tokens nor text (no delivery could run it). A batch asks several questions
+        of each document: each is read once."""
         released: dict[int, int] = {}
         with self.engine.begin() as connection:
             claimed = connection.execute(self._claim, {
@@ -417,7 +418,12 @@ class Store:
                 released = self._fail(
                     connection, exhausted, f"gave up after {max_attempts} deliveries: the "
                     "worker running this job stopped each time before it finished")
-            runnable = [row for row in claimed if row.attempts <= max_attempts]
+            # In the message's order, whatever order the database returns them in: the
+            # producer put a document's questions side by side, and the engine computes the
+            # document once for neighbours that reach it together.
+            position = {job_id: index for index, job_id in enumerate(job_ids)}
+            runnable = sorted((row for row in claimed if row.attempts <= max_attempts),
+                              key=lambda row: position[row.id])
             documents = self._documents(connection, {row.document_key for row in runnable})
             for key, document in documents.items():
                 if document is None:

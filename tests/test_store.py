@@ -338,3 +338,13 @@ def test_a_claimed_job_stays_queued_until_admitted_then_runs_from_its_admission(
         repository.record_outcomes([JobOutcome(job_id, "answer", None, 1, 0, utcnow())])
         repository.record_outcomes([], started={job_id: utcnow()})
         assert repository.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED
+
+
+def test_a_claim_returns_its_jobs_in_the_order_the_message_gave_them(store: Store) -> None:
+    # The producer puts a document's questions side by side; the engine gains from meeting
+    # them together, whatever order the database finds the rows in.
+    job_ids = [record_queued_job(store) for _ in range(12)]
+    given = job_ids[::2] + job_ids[1::2][::-1]
+    claimed = store.claim_batch(given, message_id=TEST_MESSAGE, shard=0, redelivered=False,
+                                worker="w", max_attempts=3)
+    assert [job.job_id for job in claimed.jobs] == given

@@ -82,7 +82,7 @@ class BenchProbes(WorkerHooks):
 
     def take_first_admission(self) -> float | None:
         """When (`time.time()`) the earliest batch since the last call went to the engine,
-        after its claim; None if none did. A job's `started_at` is its claim's start."""
+        after its claim; None if none did. It is also the `started_at` of that batch's jobs."""
         with self._lock:
             first, self._first_admission = self._first_admission, None
         return first

@@ -45,6 +45,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
+from jobsvc.routing.cost import loads_per_shard
 from jobsvc.schema import FINISHED_STATUSES, BatchMessage, JobStatus
 
 log = logging.getLogger(__name__)
@@ -175,16 +176,9 @@ class Claim:
     released: dict[int, int]
 
 
-def _add_load(releases: dict[int, int], shard: int, load: int) -> None:
-    releases[shard] = releases.get(shard, 0) + load
-
-
 def _load_by_shard(rows: Any) -> dict[int, int]:
     """Sum (shard, load) rows: what jobs that just finished return to their shards."""
-    releases: dict[int, int] = {}
-    for shard, load in rows:
-        _add_load(releases, shard, int(load))
-    return releases
+    return loads_per_shard((shard, int(load)) for shard, load in rows)
 
 
 @dataclass(frozen=True)
@@ -408,14 +402,14 @@ class Store:
         `max_attempts` times ends failed instead, and so does one whose document reads back
         as neither tokens nor text (no delivery could run it). A batch asks several questions
         of each document: each is read once."""
-        released: dict[int, int] = {}
+        ended: list[tuple[int, int]] = []
         with self.engine.begin() as connection:
             claimed = connection.execute(self._claim, {
                 "job_ids": list(job_ids), "b_message_id": message_id, "b_shard": shard,
                 "redelivered": redelivered, "worker": worker}).all()
             exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
-                released = self._fail(
+                ended += self._fail(
                     connection, exhausted, f"gave up after {max_attempts} deliveries: the "
                     "worker running this job stopped each time before it finished")
             # In the message's order, whatever order the database returns them in: the
@@ -427,14 +421,13 @@ class Store:
             documents = self._documents(connection, {row.document_key for row in runnable})
             for key, document in documents.items():
                 if document is None:
-                    for shard_of, load in self._fail(
-                            connection, [row.id for row in runnable if row.document_key == key],
-                            f"its document {key} does not read back from the database "
-                            "(neither its tokens nor its text); submit it again").items():
-                        _add_load(released, shard_of, load)
+                    ended += self._fail(
+                        connection, [row.id for row in runnable if row.document_key == key],
+                        f"its document {key} does not read back from the database "
+                        "(neither its tokens nor its text); submit it again")
         jobs = [ClaimedJob(row.id, document, _question(row), row.sampling, row.estimated_prefill)
                 for row in runnable if (document := documents[row.document_key]) is not None]
-        return Claim(jobs, released)
+        return Claim(jobs, _load_by_shard(ended))
 
     def _documents(self, connection: Connection, keys: set[str]
                    ) -> dict[str, tuple[int, ...] | str | None]:
@@ -454,13 +447,13 @@ class Store:
         return documents
 
     def _fail(self, connection: Connection, job_ids: Sequence[str], reason: str
-              ) -> dict[int, int]:
+              ) -> list[tuple[int, int]]:
         """End these jobs failed with `reason`, unless they have already ended; returns the
-        load of those it ended, by shard."""
-        return _load_by_shard(connection.execute(
+        (shard, load) of those it ended."""
+        return [(row.shard, row.load) for row in connection.execute(
             update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
             .values(status=JobStatus.FAILED.value, finished_at=utcnow(), error=reason)
-            .returning(Job.shard, Job.load)))
+            .returning(Job.shard, Job.load))]
 
     def stranded_jobs(self, enqueued_before: datetime, live_messages: Sequence[str],
                       limit: int) -> dict[int, list[str]]:

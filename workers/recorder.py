@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from jobsvc.routing.cost import loads_per_shard
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
 from jobsvc.store import JobOutcome, Store
@@ -74,7 +75,8 @@ class CacheCheck:
 @dataclass
 class _Pending:
     outcomes: list[JobOutcome] = field(default_factory=list)
-    releases: dict[int, int] = field(default_factory=dict)
+    # (shard, load) of every job this gathering ended.
+    releases: list[tuple[int, int]] = field(default_factory=list)
     # Per shard: expected minus actual cached blocks summed, longest document in blocks.
     cache_errors: dict[int, tuple[int, int]] = field(default_factory=dict)
     completions: dict[int, tuple[Completion, int]] = field(default_factory=dict)
@@ -159,7 +161,7 @@ class ResultRecorder:
             pending.started.update(dict.fromkeys(job_ids, started_at))
             return
         if kind == "release":
-            _add_loads(pending.releases, payload)
+            pending.releases += payload.items()
             return
         outcome, shard, check, completion = payload
         pending.outcomes.append(outcome)
@@ -173,9 +175,9 @@ class ResultRecorder:
 
     def _write(self, pending: _Pending) -> None:
         if pending.outcomes or pending.batch_stats or pending.started:
-            _add_loads(pending.releases, self._record_until_done(pending))
+            pending.releases += self._record_until_done(pending).items()
         try:
-            self._shard_state.release(pending.releases)
+            self._shard_state.release(loads_per_shard(pending.releases))
             self._feedback.jobs_ran(pending.cache_errors)
         except Exception as error:
             log.warning("could not return shard load %s or cache feedback: %s",
@@ -199,8 +201,3 @@ class ResultRecorder:
                             len(pending.outcomes), type(error).__name__, reason, delay)
                 time.sleep(delay)
                 attempt += 1
-
-
-def _add_loads(into: dict[int, int], loads: dict[int, int]) -> None:
-    for shard, load in loads.items():
-        into[shard] = into.get(shard, 0) + load

@@ -24,7 +24,7 @@ from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.cost import RoutingJob, decode_load, loads_per_shard
-from jobsvc.routing.prefix import document_keys
+from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState
 from jobsvc.schema import (
@@ -252,20 +252,24 @@ class Client:
                ) -> tuple[_Routed, dict[str, PreparedJob]]:
         """Hash each distinct prefix once and pick shards, charging them; nothing is written
         to the database here. Also returns one job per distinct prefix key."""
-        keys = {}
+        # Jobs on one prefix share its token list: hashed once per list, not per job.
+        keys: dict[int, DocumentKeys] = {}
         for job in jobs:
-            if job.prefix not in keys:
-                keys[job.prefix] = document_keys(job.prefix_tokens, self.settings.block_size)
+            if id(job.prefix_tokens) not in keys:
+                keys[id(job.prefix_tokens)] = document_keys(job.prefix_tokens,
+                                                            self.settings.block_size)
+        prefix_keys = [keys[id(job.prefix_tokens)] for job in jobs]
         decode_cost = self.settings.routing_decode_cost
         routes = self._router.route([
-            RoutingJob(keys[job.prefix], job.prompt_tokens,
-                       decode_load(job.sampling["max_tokens"], decode_cost)) for job in jobs])
+            RoutingJob(prefix, job.prompt_tokens,
+                       decode_load(job.sampling["max_tokens"], decode_cost))
+            for job, prefix in zip(jobs, prefix_keys, strict=True)])
         return _Routed(
-            placed=[PlacedJob(job_id, route.shard, keys[job.prefix].document_key)
-                    for job_id, job, route in zip(job_ids, jobs, routes, strict=True)],
+            placed=[PlacedJob(job_id, route.shard, prefix.document_key) for job_id, prefix, route
+                    in zip(job_ids, prefix_keys, routes, strict=True)],
             loads=[route.load for route in routes],
             estimated_prefills=[route.estimated_prefill for route in routes],
-        ), {keys[job.prefix].document_key: job for job in jobs}
+        ), {prefix.document_key: job for job, prefix in zip(jobs, prefix_keys, strict=True)}
 
     def get(self, job_id: str) -> JobRecord:
         with _translated(f"read job {job_id}"):

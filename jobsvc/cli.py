@@ -98,6 +98,12 @@ def _flower(settings: Settings, args: argparse.Namespace) -> None:
     os.execve(command[0], command, {**os.environ, "CELERY_BROKER_URL": settings.redis_url})
 
 
+def _serve(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.server.app import serve
+
+    serve(settings, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jobsvc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     ).set_defaults(
         run=_requeue)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
+    serve = commands.add_parser(
+        "serve", help="the OpenAI Files and Batch APIs over HTTP (for the openai client)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=_serve)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

@@ -69,12 +69,12 @@ class BatchRecord:
 
 
 _FIELDS = [field.name for field in fields(BatchRecord)]
+_COLUMNS = [BatchRow.__table__.c[name] for name in _FIELDS]
 
 
-def _record(row: BatchRow) -> BatchRecord:
-    values = {name: getattr(row, "batch_metadata" if name == "metadata" else name)
-              for name in _FIELDS}
-    return BatchRecord(**values)
+def _record(row: Any) -> BatchRecord:
+    """A batch from a row of the batches table (its columns, by name)."""
+    return BatchRecord(**{name: row._mapping[name] for name in _FIELDS})
 
 
 @dataclass(frozen=True)
@@ -130,19 +130,18 @@ class BatchStore:
                 completion_window=completion_window, batch_metadata=metadata,
                 status="validating", total=0, completed=0, failed=0, ingested_line=0,
                 created_at=now, expires_at=now + timedelta(seconds=window_seconds))
-                .returning(BatchRow)).scalar_one()
+                .returning(*_COLUMNS)).one()
             return _record(row)
 
     def get(self, batch_id: str) -> BatchRecord | None:
         with self._engine.connect() as connection:
-            row = connection.execute(select(BatchRow).where(BatchRow.id == batch_id)
-                                     ).scalar_one_or_none()
+            row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
         return None if row is None else _record(row)
 
     def page(self, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Up to `limit` batches, newest first, after the batch `after`; and whether more
         follow."""
-        query = select(BatchRow)
+        query = select(*_COLUMNS)
         with self._engine.connect() as connection:
             if after is not None:
                 anchor = connection.execute(select(BatchRow.created_at).where(
@@ -152,7 +151,7 @@ class BatchStore:
                                                          anchor, after, ascending=False))
             rows = connection.execute(query.order_by(BatchRow.created_at.desc(),
                                                      BatchRow.id.desc()).limit(limit + 1)
-                                      ).scalars().all()
+                                      ).all()
         return [_record(row) for row in rows[:limit]], len(rows) > limit
 
     def request_cancel(self, batch_id: str) -> BatchRecord | None:
@@ -163,8 +162,7 @@ class BatchStore:
                 update(BatchRow).where(BatchRow.id == batch_id,
                                        BatchRow.status.in_(CANCELLABLE))
                 .values(status="cancelling", ending="cancelled", cancelling_at=utcnow()))
-            row = connection.execute(select(BatchRow).where(BatchRow.id == batch_id)
-                                     ).scalar_one_or_none()
+            row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
         return None if row is None else _record(row)
 
     def claim(self, driver: str, lease_seconds: int) -> list[BatchRecord]:
@@ -177,7 +175,7 @@ class BatchStore:
                        or_(BatchRow.driver.is_(None), BatchRow.driver == driver,
                            BatchRow.lease_until < now))
                 .values(driver=driver, lease_until=now + timedelta(seconds=lease_seconds))
-                .returning(BatchRow)).scalars().all()
+                .returning(*_COLUMNS)).all()
             return sorted((_record(row) for row in rows), key=lambda batch: batch.created_at)
 
     def release(self, driver: str) -> None:
@@ -187,23 +185,23 @@ class BatchStore:
             connection.execute(update(BatchRow).where(BatchRow.driver == driver)
                                .values(driver=None, lease_until=None))
 
-    def advance(self, batch_id: str, driver: str, lease_seconds: int, *,
+    def advance(self, batch_id: str, holder: str, lease_seconds: int, *,
                 status_was: str | None = None, connection: Connection | None = None,
                 **values: Any) -> None:
-        """Change a batch this driver holds, renewing its lease; LeaseLost if it no longer
+        """Change a batch that `holder` drives, renewing its lease; LeaseLost if it no longer
         holds it. With `status_was`, only while the batch is still in that state (a cancel
         may have come in meanwhile): BatchChanged otherwise."""
         if connection is None:
             with self._engine.begin() as own:
-                self.advance(batch_id, driver, lease_seconds, status_was=status_was,
+                self.advance(batch_id, holder, lease_seconds, status_was=status_was,
                              connection=own, **values)
             return
         held = connection.execute(
-            update(BatchRow).where(BatchRow.id == batch_id, BatchRow.driver == driver)
+            update(BatchRow).where(BatchRow.id == batch_id, BatchRow.driver == holder)
             .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
             .returning(BatchRow.status)).scalar_one_or_none()
         if held is None:
-            raise LeaseLost(f"batch {batch_id} is no longer driven by {driver}")
+            raise LeaseLost(f"batch {batch_id} is no longer driven by {holder}")
         if status_was is not None and held != status_was:
             raise BatchChanged(f"batch {batch_id} is {held} now, no longer {status_was}")
         if values:

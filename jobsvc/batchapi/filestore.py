@@ -81,6 +81,10 @@ class FileWriter:
             self._flush(bytes(self._buffer[:CHUNK_BYTES]))
             del self._buffer[:CHUNK_BYTES]
 
+    def rename(self, filename: str) -> None:
+        """Set the file's name before it closes (an upload learns it from the form)."""
+        self._filename = filename
+
     def _flush(self, chunk: bytes) -> None:
         assert self._connection is not None
         self._connection.execute(insert(FileChunk).values(file_id=self.file_id, seq=self._seq,
@@ -97,7 +101,8 @@ class FileWriter:
                     self._buffer.clear()
                 created = self._connection.execute(
                     update(StoredFile).where(StoredFile.id == self.file_id)
-                    .values(bytes=self.size).returning(StoredFile)).one()
+                    .values(bytes=self.size, filename=self._filename)
+                    .returning(StoredFile)).one()
                 self.record = _record(created)
                 if self._own_connection:
                     self._connection.commit()

@@ -1,0 +1,47 @@
+"""What the server's routes and its batch driver share, made once when the server starts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy.engine import Engine
+
+from jobsvc.batchapi.batchstore import BatchStore
+from jobsvc.batchapi.driver import BatchDriver
+from jobsvc.batchapi.filestore import FileStore
+from jobsvc.batchapi.ingest import Ingestor
+from jobsvc.batchapi.rendering import ChatTemplate
+from jobsvc.client import Client
+from jobsvc.prompts import PromptBuilder
+from jobsvc.settings import Settings
+from jobsvc.store import make_engine
+
+
+@dataclass
+class Services:
+    settings: Settings
+    client: Client
+    engine: Engine
+    files: FileStore
+    batches: BatchStore
+    driver: BatchDriver
+    # When this server started: the `created` time of the model it serves.
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def start(cls, settings: Settings) -> Services:
+        client = Client(settings=settings)
+        engine = make_engine(settings.resolved_database_url)
+        ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
+                            ChatTemplate(settings.model),
+                            served_model=settings.served_model_name,
+                            max_stop_chars=settings.max_stop_chars)
+        driver = BatchDriver(settings, client, ingestor, engine)
+        driver.start()
+        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), driver)
+
+    def stop(self) -> None:
+        self.driver.stop()
+        self.client.close()
+        self.engine.dispose()

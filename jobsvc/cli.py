@@ -104,6 +104,14 @@ def _serve(settings: Settings, args: argparse.Namespace) -> None:
     serve(settings, args.host, args.port)
 
 
+def _run_batch(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.runbatch import run_batch
+
+    batch = run_batch(settings, args.input, args.output)
+    print(f"{batch.id} {batch.status}: {batch.completed} succeeded, {batch.failed} failed; "
+          f"output in {args.output}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jobsvc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.set_defaults(run=_serve)
+    run_batch = commands.add_parser(
+        "run-batch", help="run an OpenAI batch file through the fleet, output as vllm "
+        "run-batch writes it")
+    run_batch.add_argument("-i", "--input", type=Path, required=True,
+                           help="the batch file (JSONL requests)")
+    run_batch.add_argument("-o", "--output", type=Path, required=True,
+                           help="where to write one result line per request")
+    run_batch.set_defaults(run=_run_batch)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

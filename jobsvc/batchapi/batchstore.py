@@ -165,15 +165,20 @@ class BatchStore:
             row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
         return None if row is None else _record(row)
 
-    def claim(self, driver: str, lease_seconds: int) -> list[BatchRecord]:
-        """Take (or keep) the lease of every unfinished batch no other live server holds."""
+    def claim(self, driver: str, lease_seconds: int, only: str | None = None
+              ) -> list[BatchRecord]:
+        """Take (or keep) the lease of every unfinished batch no other live server holds
+        (of batch `only`, if given)."""
         now = utcnow()
+        query = update(BatchRow).where(
+            BatchRow.status.in_(UNFINISHED),
+            or_(BatchRow.driver.is_(None), BatchRow.driver == driver,
+                BatchRow.lease_until < now))
+        if only is not None:
+            query = query.where(BatchRow.id == only)
         with self._engine.begin() as connection:
             rows = connection.execute(
-                update(BatchRow)
-                .where(BatchRow.status.in_(UNFINISHED),
-                       or_(BatchRow.driver.is_(None), BatchRow.driver == driver,
-                           BatchRow.lease_until < now))
+                query
                 .values(driver=driver, lease_until=now + timedelta(seconds=lease_seconds))
                 .returning(*_COLUMNS)).all()
             return sorted((_record(row) for row in rows), key=lambda batch: batch.created_at)

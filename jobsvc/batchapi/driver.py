@@ -65,8 +65,10 @@ def driver_name() -> str:
 
 class BatchDriver:
     def __init__(self, settings: Settings, client: Client, ingestor: Ingestor,
-                 engine: Engine) -> None:
+                 engine: Engine, *, only: str | None = None) -> None:
         self.name = driver_name()
+        # Drive this batch alone (`jobsvc run-batch`), not every batch of the fleet.
+        self._only = only
         self._settings = settings
         self._lease = settings.batch_lease_seconds
         self._client = client
@@ -109,7 +111,7 @@ class BatchDriver:
 
     def run_round(self) -> None:
         """Take the free leases and move each batch held one step."""
-        for batch in self._batches.claim(self.name, self._lease):
+        for batch in self._batches.claim(self.name, self._lease, only=self._only):
             if self._stop.is_set():
                 return
             try:
@@ -233,7 +235,7 @@ class BatchDriver:
         after = 0
         while rows := self._batches.output_rows(batch.id, after, _PAGE):
             for row in rows:
-                kind, line = self._line(batch, ending, row)
+                kind, line = file_line(batch, ending, self._settings.served_model_name, row)
                 files[kind].write(jsonl(line))
             after = rows[-1].line
             # A lease renewed on its own connection: this transaction has not touched the
@@ -241,31 +243,32 @@ class BatchDriver:
             self._advance(batch)
         return files["output"].close(), files["error"].close()
 
-    def _line(self, batch: BatchRecord, ending: str, row: OutputRow
+
+def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
               ) -> tuple[str, dict[str, Any]]:
-        line_id = f"batch_req_{row.job_id or _line_id(batch.id, row.line)}"
-        request_id = f"req_{row.job_id or _line_id(batch.id, row.line)}"
-        if row.error is not None:
-            if row.error["status_code"] is None:
-                return "error", output_line(line_id, row.custom_id, error=row.error["error"])
-            return "error", output_line(line_id, row.custom_id,
-                                        status_code=row.error["status_code"],
-                                        request_id=request_id,
-                                        body={"error": row.error["error"]})
-        if row.status == JobStatus.SUCCEEDED.value and row.answer_zst is not None:
-            answer = Answer(
-                row.job_id or "", compression.decompress(row.answer_zst).decode(),
-                row.prompt_tokens or 0, row.completion_tokens or 0, row.cached_tokens or 0,
-                int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at))
-            return "output", output_line(
-                line_id, row.custom_id, status_code=200, request_id=request_id,
-                body=response_body(batch.endpoint, answer, self._settings.served_model_name))
-        if row.status == JobStatus.FAILED.value:
-            return "error", output_line(line_id, row.custom_id, status_code=500,
-                                        request_id=request_id,
-                                        body=server_error(row.job_error or "the job failed"))
-        code = "batch_expired" if ending == "expired" else "batch_cancelled"
-        return "error", output_line(line_id, row.custom_id, error=ended_error(code))
+    """Which file a line goes to ("output" or "error") and the line itself."""
+    line_id = f"batch_req_{row.job_id or _line_id(batch.id, row.line)}"
+    request_id = f"req_{row.job_id or _line_id(batch.id, row.line)}"
+    if row.error is not None:
+        if row.error["status_code"] is None:
+            return "error", output_line(line_id, row.custom_id, error=row.error["error"])
+        return "error", output_line(line_id, row.custom_id,
+                                    status_code=row.error["status_code"],
+                                    request_id=request_id, body={"error": row.error["error"]})
+    if row.status == JobStatus.SUCCEEDED.value and row.answer_zst is not None:
+        answer = Answer(
+            row.job_id or "", compression.decompress(row.answer_zst).decode(),
+            row.prompt_tokens or 0, row.completion_tokens or 0, row.cached_tokens or 0,
+            int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at))
+        return "output", output_line(line_id, row.custom_id, status_code=200,
+                                     request_id=request_id,
+                                     body=response_body(batch.endpoint, answer, model))
+    if row.status == JobStatus.FAILED.value:
+        return "error", output_line(line_id, row.custom_id, status_code=500,
+                                    request_id=request_id,
+                                    body=server_error(row.job_error or "the job failed"))
+    code = "batch_expired" if ending == "expired" else "batch_cancelled"
+    return "error", output_line(line_id, row.custom_id, error=ended_error(code))
 
 
 def _line_id(batch_id: str, line: int) -> str:

@@ -33,11 +33,13 @@ def health() -> Health:
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.services = Services.start(settings)
+        services = Services.open(settings)
+        services.start_driver()
+        app.state.services = services
         try:
             yield
         finally:
-            app.state.services.stop()
+            services.close()
 
     app = FastAPI(title="jobsvc", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None, dependencies=[Depends(bearer_key_check(settings.api_key))])

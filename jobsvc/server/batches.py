@@ -56,7 +56,7 @@ def create_batch(request: Request, body: CreateBatch) -> BatchObject:
         endpoint=body.endpoint, input_file_id=body.input_file_id,
         completion_window=body.completion_window, metadata=body.metadata,
         window_seconds=services.settings.batch_window_seconds)
-    services.driver.wake()
+    services.wake_driver()
     return BatchObject.of(batch, services.settings.served_model_name)
 
 
@@ -86,5 +86,5 @@ def cancel_batch(request: Request, batch_id: str) -> BatchObject:
     batch = services.batches.request_cancel(batch_id)
     if batch is None:
         raise not_found("batch", batch_id, "batch_id")
-    services.driver.wake()
+    services.wake_driver()
     return BatchObject.of(batch, services.settings.served_model_name)

@@ -1,4 +1,5 @@
-"""What the server's routes and its batch driver share, made once when the server starts."""
+"""What the server's routes and its batch driver share, made once when the server starts
+(and by `jobsvc run-batch`, which drives its one batch itself)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,34 @@ class Services:
     engine: Engine
     files: FileStore
     batches: BatchStore
-    driver: BatchDriver
+    ingestor: Ingestor
+    driver: BatchDriver | None = None
     # When this server started: the `created` time of the model it serves.
     started: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def start(cls, settings: Settings) -> Services:
+    def open(cls, settings: Settings) -> Services:
         client = Client(settings=settings)
         engine = make_engine(settings.resolved_database_url)
         ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
                             ChatTemplate(settings.model),
                             served_model=settings.served_model_name,
                             max_stop_chars=settings.max_stop_chars)
-        driver = BatchDriver(settings, client, ingestor, engine)
-        driver.start()
-        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), driver)
+        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), ingestor)
 
-    def stop(self) -> None:
-        self.driver.stop()
+    def new_driver(self, only: str | None = None) -> BatchDriver:
+        return BatchDriver(self.settings, self.client, self.ingestor, self.engine, only=only)
+
+    def start_driver(self) -> None:
+        self.driver = self.new_driver()
+        self.driver.start()
+
+    def wake_driver(self) -> None:
+        if self.driver is not None:
+            self.driver.wake()
+
+    def close(self) -> None:
+        if self.driver is not None:
+            self.driver.stop()
         self.client.close()
         self.engine.dispose()

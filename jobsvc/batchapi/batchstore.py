@@ -20,8 +20,8 @@ from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from jobsvc.batchapi.filestore import after_in_listing
 from jobsvc.batchapi.ingest import LineOutcome
+from jobsvc.batchapi.listing import page_rows
 from jobsvc.batchapi.tables import BatchLine, BatchRow
 from jobsvc.schema import JobStatus
 from jobsvc.store import Job, Result, utcnow
@@ -141,18 +141,10 @@ class BatchStore:
     def page(self, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Up to `limit` batches, newest first, after the batch `after`; and whether more
         follow."""
-        query = select(*_COLUMNS)
         with self._engine.connect() as connection:
-            if after is not None:
-                anchor = connection.execute(select(BatchRow.created_at).where(
-                    BatchRow.id == after)).scalar_one_or_none()
-                if anchor is not None:
-                    query = query.where(after_in_listing(BatchRow.created_at, BatchRow.id,
-                                                         anchor, after, ascending=False))
-            rows = connection.execute(query.order_by(BatchRow.created_at.desc(),
-                                                     BatchRow.id.desc()).limit(limit + 1)
-                                      ).all()
-        return [_record(row) for row in rows[:limit]], len(rows) > limit
+            rows, more = page_rows(connection, select(*_COLUMNS), BatchRow.created_at,
+                                   BatchRow.id, after=after, limit=limit, ascending=False)
+        return [_record(row) for row in rows], more
 
     def request_cancel(self, batch_id: str) -> BatchRecord | None:
         """Mark a validating or running batch `cancelling` (its driver does the rest); a

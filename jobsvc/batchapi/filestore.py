@@ -11,10 +11,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import and_, delete, insert, or_, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.sql.elements import ColumnElement
 
+from jobsvc.batchapi.listing import page_rows
 from jobsvc.batchapi.tables import FileChunk, StoredFile
 from jobsvc.store import utcnow
 
@@ -136,16 +136,9 @@ class FileStore:
         if purpose is not None:
             query = query.where(StoredFile.purpose == purpose)
         with self._engine.connect() as connection:
-            if after is not None:
-                anchor = connection.execute(select(StoredFile.created_at).where(
-                    StoredFile.id == after)).scalar_one_or_none()
-                if anchor is not None:
-                    query = query.where(after_in_listing(StoredFile.created_at, StoredFile.id,
-                                                          anchor, after, ascending))
-            order = ((StoredFile.created_at.asc(), StoredFile.id.asc()) if ascending
-                     else (StoredFile.created_at.desc(), StoredFile.id.desc()))
-            rows = connection.execute(query.order_by(*order).limit(limit + 1)).all()
-        return [_record(row) for row in rows[:limit]], len(rows) > limit
+            rows, more = page_rows(connection, query, StoredFile.created_at, StoredFile.id,
+                                   after=after, limit=limit, ascending=ascending)
+        return [_record(row) for row in rows], more
 
     def delete(self, file_id: str) -> bool:
         with self._engine.begin() as connection:
@@ -163,12 +156,3 @@ class FileStore:
                 return
             yield data
             seq += 1
-
-
-def after_in_listing(column_at: Any, column_id: Any, created_at: datetime, row_id: str,
-                     ascending: bool) -> ColumnElement[bool]:
-    """Rows after (created_at, id) in a listing's order (the ID breaks ties): the cursor of
-    the API's paged lists."""
-    if ascending:
-        return or_(column_at > created_at, and_(column_at == created_at, column_id > row_id))
-    return or_(column_at < created_at, and_(column_at == created_at, column_id < row_id))

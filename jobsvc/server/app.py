@@ -12,7 +12,7 @@ from jobsvc.server import batches, files
 from jobsvc.server.auth import bearer_key_check
 from jobsvc.server.errors import install_error_handlers
 from jobsvc.server.models import Health, ModelList, ModelObject
-from jobsvc.server.services import Services
+from jobsvc.server.services import Services, services_of
 from jobsvc.settings import Settings
 
 _meta = APIRouter()
@@ -20,7 +20,7 @@ _meta = APIRouter()
 
 @_meta.get("/v1/models")
 def list_models(request: Request) -> ModelList:
-    services: Services = request.app.state.services
+    services = services_of(request)
     return ModelList(data=[ModelObject(id=services.settings.served_model_name,
                                        created=services.started)])
 

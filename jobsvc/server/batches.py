@@ -10,17 +10,13 @@ from fastapi import APIRouter, Query, Request
 from jobsvc.batchapi.lines import ENDPOINTS
 from jobsvc.server.errors import ApiError, not_found
 from jobsvc.server.models import BatchList, BatchObject, CreateBatch
-from jobsvc.server.services import Services
+from jobsvc.server.services import services_of
 
 router = APIRouter(prefix="/v1/batches")
 
 COMPLETION_WINDOW = "24h"
 # OpenAI's limits on a batch's metadata.
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
-
-
-def _services(request: Request) -> Services:
-    return request.app.state.services
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -38,7 +34,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 @router.post("")
 def create_batch(request: Request, body: CreateBatch) -> BatchObject:
-    services = _services(request)
+    services = services_of(request)
     if body.endpoint not in ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}",
                        param="endpoint", code="invalid_value")
@@ -63,17 +59,15 @@ def create_batch(request: Request, body: CreateBatch) -> BatchObject:
 @router.get("")
 def list_batches(request: Request, after: str | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> BatchList:
-    services = _services(request)
+    services = services_of(request)
     records, has_more = services.batches.page(after=after, limit=limit)
     model = services.settings.served_model_name
-    return BatchList(data=[BatchObject.of(record, model) for record in records],
-                     first_id=records[0].id if records else None,
-                     last_id=records[-1].id if records else None, has_more=has_more)
+    return BatchList.of([BatchObject.of(record, model) for record in records], has_more)
 
 
 @router.get("/{batch_id}")
 def retrieve_batch(request: Request, batch_id: str) -> BatchObject:
-    services = _services(request)
+    services = services_of(request)
     batch = services.batches.get(batch_id)
     if batch is None:
         raise not_found("batch", batch_id, "batch_id")
@@ -82,7 +76,7 @@ def retrieve_batch(request: Request, batch_id: str) -> BatchObject:
 
 @router.post("/{batch_id}/cancel")
 def cancel_batch(request: Request, batch_id: str) -> BatchObject:
-    services = _services(request)
+    services = services_of(request)
     batch = services.batches.request_cancel(batch_id)
     if batch is None:
         raise not_found("batch", batch_id, "batch_id")

@@ -10,19 +10,15 @@ from fastapi.responses import StreamingResponse
 
 from jobsvc.server.errors import ApiError, not_found
 from jobsvc.server.models import FileDeleted, FileList, FileObject
-from jobsvc.server.services import Services
+from jobsvc.server.services import services_of
 from jobsvc.server.upload import receive_upload, too_large_to_accept
 
 router = APIRouter(prefix="/v1/files")
 
 
-def _services(request: Request) -> Services:
-    return request.app.state.services
-
-
 @router.post("")
 async def upload_file(request: Request) -> FileObject:
-    services = _services(request)
+    services = services_of(request)
     limit = services.settings.max_upload_bytes
     if too_large_to_accept(request.headers.get("content-length"), limit):
         raise ApiError(413, f"the upload is larger than {limit} bytes "
@@ -37,16 +33,14 @@ def list_files(request: Request, after: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                order: Literal["asc", "desc"] = "desc",
                purpose: str | None = None) -> FileList:
-    records, has_more = _services(request).files.page(
+    records, has_more = services_of(request).files.page(
         after=after, limit=limit, ascending=order == "asc", purpose=purpose)
-    return FileList(data=[FileObject.of(record) for record in records],
-                    first_id=records[0].id if records else None,
-                    last_id=records[-1].id if records else None, has_more=has_more)
+    return FileList.of([FileObject.of(record) for record in records], has_more)
 
 
 @router.get("/{file_id}")
 def retrieve_file(request: Request, file_id: str) -> FileObject:
-    record = _services(request).files.get(file_id)
+    record = services_of(request).files.get(file_id)
     if record is None:
         raise not_found("file", file_id, "file_id")
     return FileObject.of(record)
@@ -54,7 +48,7 @@ def retrieve_file(request: Request, file_id: str) -> FileObject:
 
 @router.get("/{file_id}/content")
 def file_content(request: Request, file_id: str) -> StreamingResponse:
-    files = _services(request).files
+    files = services_of(request).files
     if files.get(file_id) is None:
         raise not_found("file", file_id, "file_id")
 
@@ -66,6 +60,6 @@ def file_content(request: Request, file_id: str) -> StreamingResponse:
 
 @router.delete("/{file_id}")
 def delete_file(request: Request, file_id: str) -> FileDeleted:
-    if not _services(request).files.delete(file_id):
+    if not services_of(request).files.delete(file_id):
         raise not_found("file", file_id, "file_id")
     return FileDeleted(id=file_id, deleted=True)

@@ -47,6 +47,11 @@ class FileList(BaseModel):
     last_id: str | None
     has_more: bool
 
+    @classmethod
+    def of(cls, files: list[FileObject], has_more: bool) -> FileList:
+        return cls(data=files, first_id=files[0].id if files else None,
+                   last_id=files[-1].id if files else None, has_more=has_more)
+
 
 class BatchError(BaseModel):
     code: str | None = None
@@ -136,6 +141,11 @@ class BatchList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def of(cls, batches: list[BatchObject], has_more: bool) -> BatchList:
+        return cls(data=batches, first_id=batches[0].id if batches else None,
+                   last_id=batches[-1].id if batches else None, has_more=has_more)
 
 
 class CreateBatch(BaseModel):

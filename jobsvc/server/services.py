@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from fastapi import Request
 from sqlalchemy.engine import Engine
 
 from jobsvc.batchapi.batchstore import BatchStore
@@ -57,3 +58,8 @@ class Services:
             self.driver.stop()
         self.client.close()
         self.engine.dispose()
+
+
+def services_of(request: Request) -> Services:
+    """The services of the app serving `request`."""
+    return request.app.state.services  # type: ignore[no-any-return]

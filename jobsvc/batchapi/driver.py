@@ -43,6 +43,7 @@ from jobsvc.batchapi.responses import (
     server_error,
 )
 from jobsvc.client import Client
+from jobsvc.errors import BrokerUnavailable, StorageUnavailable
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import utcnow
@@ -118,6 +119,9 @@ class BatchDriver:
                 self.step(batch)
             except (LeaseLost, BatchChanged) as reason:
                 log.info("%s", reason)
+            except (StorageUnavailable, BrokerUnavailable) as outage:
+                # The step is taken again next round; what it submitted is found by key.
+                log.warning("batch %s waits: %s", batch.id, outage)
 
     def step(self, batch: BatchRecord) -> None:
         expired = batch.expires_at is not None and utcnow() >= batch.expires_at
@@ -131,7 +135,8 @@ class BatchDriver:
                 self._advance(batch, status_was="in_progress", status="finalizing",
                               ending="expired", finalizing_at=utcnow())
                 return
-            self._ingest(batch)
+            if self._batches.tally(batch.id).lines < batch.total:
+                self._ingest(batch)
             self._follow(batch)
         else:
             self._end(batch, batch.ending or "completed")

@@ -245,9 +245,12 @@ def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_fini
         api: openai.OpenAI, worker: LocalWorkers, store: Store) -> None:
     lines = long_requests(40)
     batch = start_batch(api, lines)
-    wait_for(api, batch.id, lambda b: b.request_counts is not None and (
-        b.request_counts.total > 0))
-    assert api.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    deadline = time.monotonic() + TIMEOUT
+    # Cancel once every request is a job: most still wait in the queue behind the first.
+    while sum(job_statuses(store, batch.id).values()) < len(lines):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert api.batches.cancel(batch.id).status == "cancelling"
     batch = wait_for(api, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
     output, errors = results(api, batch)
@@ -255,11 +258,17 @@ def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_fini
     assert errors and all(item["error"]["code"] == "batch_cancelled" for item in errors)
     assert batch.request_counts.completed == len(output)
     assert batch.request_counts.failed == len(errors)
-    with store.engine.connect() as connection:
-        statuses = dict(connection.execute(
-            select(Job.status, func.count()).where(Job.idempotency_key.startswith(batch.id))
-            .group_by(Job.status)).all())
+    statuses = job_statuses(store, batch.id)
+    assert statuses.get("cancelled", 0) == len(errors), statuses
     assert not {"queued", "running"} & set(statuses), statuses
+
+
+def job_statuses(store: Store, batch_id: str) -> dict[str, int]:
+    """How many of the batch's jobs are in each status."""
+    with store.engine.connect() as connection:
+        return dict(connection.execute(
+            select(Job.status, func.count()).where(Job.idempotency_key.startswith(batch_id))
+            .group_by(Job.status)).all())
 
 
 def test_a_batch_past_its_window_expires_with_its_unrun_requests_in_the_error_file(

@@ -24,6 +24,7 @@ from jobsvc.batchapi.rendering import ChatTemplate
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.prompts import PromptBuilder
+from jobsvc.runbatch import run_batch
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store
 from jobsvc.workloads import document, question
@@ -340,3 +341,24 @@ def test_a_server_killed_mid_batch_is_succeeded_by_another_that_finishes_it_with
         made = connection.execute(select(func.count()).select_from(Job).where(
             Job.idempotency_key.startswith(batch.id))).scalar_one()
     assert made == len(lines)
+
+
+def test_run_batch_writes_every_request_in_order_as_vllm_run_batch_does(
+        settings: Settings, worker: LocalWorkers, tmp_path: Path) -> None:
+    rng = random.Random(12)
+    lines = document_lines(rng, 1, 3, lambda text, q: {
+        "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": q}]})
+    lines.insert(1, line("bad", {"messages": [{"role": "user", "content": "x"}], "n": 3}))
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl(lines))
+    progress = io.StringIO()
+    batch = run_batch(settings, source, target, progress_stream=progress)
+    assert batch.status == "completed" and (batch.completed, batch.failed) == (3, 1)
+    written = [json.loads(raw) for raw in target.read_text().splitlines()]
+    assert [item["custom_id"] for item in written] == [item["custom_id"] for item in lines]
+    assert all(item["id"].startswith("vllm-") for item in written)
+    assert written[1]["response"]["status_code"] == 400 and written[1]["response"]["body"] is None
+    assert written[1]["error"]["error"]["param"] == "n"
+    assert written[0]["response"]["body"]["object"] == "chat.completion"
+    assert f"{batch.id}: completed, 4/4 done" in progress.getvalue()

@@ -182,9 +182,11 @@ class BatchDriver:
             yield lines
 
     def _ingest(self, batch: BatchRecord) -> None:
-        """Submit every line not yet submitted, a slice at a time; a cancel or the window's
-        end stops it between slices."""
+        """Submit every line not yet submitted, a slice at a time; a cancel, the window's
+        end or the server stopping stops it between slices."""
         for lines in self._remaining(batch):
+            if self._stop.is_set():
+                return
             outcomes = self._ingestor.ingest(batch.id, batch.endpoint, lines)
             self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
                                        lines[-1].line)

@@ -1,7 +1,7 @@
 """Ingest of the Batch API: how fast `jobsvc serve` takes a batch file from upload to every
 request enqueued, and how much memory its process needs for it.
 
-    python -m bench.ingest [--lines 50000] [--questions 4] [--words 520] [--json PATH]
+    python -m bench.ingest [--lines 50000] [--questions 4] [--words 300] [--json PATH]
 
 It writes a chat batch file whose lines ask several questions of each document (the
 document in a system message, as files built for prefix caching do), starts `jobsvc serve`
@@ -141,7 +141,8 @@ def main() -> None:
                         help="words per document (300, about 870 tokens, keeps 50,000 lines "
                              "under the 200 MB upload limit)")
     parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--json", type=Path, help="write the result here too")
+    parser.add_argument("--json", type=Path, default=Path("bench-out/ingest.json"),
+                        help="write the result here too (default: %(default)s)")
     args = parser.parse_args()
     settings = Settings.from_env()
     with tempfile.TemporaryDirectory() as folder:
@@ -151,9 +152,8 @@ def main() -> None:
                   "shards": settings.shards,
                   **measure(settings, path, args.port, Path(folder) / "serve.log")}
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

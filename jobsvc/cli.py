@@ -98,6 +98,20 @@ def _flower(settings: Settings, args: argparse.Namespace) -> None:
     os.execve(command[0], command, {**os.environ, "CELERY_BROKER_URL": settings.redis_url})
 
 
+def _serve(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.server.app import serve
+
+    serve(settings, args.host, args.port)
+
+
+def _run_batch(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.runbatch import run_batch
+
+    batch = run_batch(settings, args.input, args.output)
+    print(f"{batch.id} {batch.status}: {batch.completed} succeeded, {batch.failed} failed; "
+          f"output in {args.output}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jobsvc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     ).set_defaults(
         run=_requeue)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
+    serve = commands.add_parser(
+        "serve", help="the OpenAI Files and Batch APIs over HTTP (for the openai client)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=_serve)
+    run_batch = commands.add_parser(
+        "run-batch", help="run an OpenAI batch file through the fleet, output as vllm "
+        "run-batch writes it")
+    run_batch.add_argument("-i", "--input", type=Path, required=True,
+                           help="the batch file (JSONL requests)")
+    run_batch.add_argument("-o", "--output", type=Path, required=True,
+                           help="where to write one result line per request")
+    run_batch.set_defaults(run=_run_batch)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

@@ -24,7 +24,7 @@ from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.cost import RoutingJob, decode_load, loads_per_shard
-from jobsvc.routing.prefix import document_keys
+from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState
 from jobsvc.schema import (
@@ -61,21 +61,40 @@ def _translated(what: str) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class PreparedJob:
+    """A job ready to record: its prompt as a shared prefix (a document, or the part of a
+    rendered request that other requests share), stored once however many jobs run on it,
+    and the job's own suffix, both already tokenized; the engine runs prefix + suffix.
+    `question` is kept in the job's record as what it asked (the suffix's text for requests
+    of a batch file). `idempotency_key`: see `Client.submit_many`."""
+
+    prefix: str
+    prefix_tokens: Sequence[int]
+    question: str
+    suffix_tokens: Sequence[int]
+    sampling: dict[str, Any]
+    idempotency_key: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prefix_tokens) + len(self.suffix_tokens)
+
+
+@dataclass(frozen=True)
 class _Routed:
-    """Jobs with their shards, what each charged its shard, and their tokens."""
+    """Jobs with their shards, what each charged its shard, and their prefixes' keys."""
 
     placed: list[PlacedJob]
     loads: list[int]
     estimated_prefills: list[int]
-    question_tokens: list[list[int]]
-    document_tokens: dict[str, list[int]]
-    document_texts: dict[str, str]
 
-    def charges(self) -> dict[int, int]:
-        """What these jobs charged each shard."""
-        return loads_per_shard(zip((job.shard for job in self.placed), self.loads, strict=True))
+    def charges(self, job_ids: set[str] | None = None) -> dict[int, int]:
+        """What these jobs (or those of them named) charged each shard."""
+        return loads_per_shard((job.shard, load) for job, load in zip(
+            self.placed, self.loads, strict=True) if job_ids is None or job.job_id in job_ids)
 
 
+MAX_IDEMPOTENCY_KEY_CHARS = 128
 _WAIT_CHUNK = 5000
 
 
@@ -119,83 +138,138 @@ class Client:
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Submit many jobs at once: all are validated first, then recorded in one transaction
-        and enqueued in one Redis pipeline. Returns the job IDs in input order."""
-        requests = [self._validate(index, job) for index, job in enumerate(jobs)]
+        and enqueued in one Redis pipeline. Returns the job IDs in input order.
+
+        A job may carry an `idempotency_key` (a string of at most 128 characters): a submit
+        of a key already recorded returns that job's ID and records nothing new, so a producer
+        that retries after a timeout or a crash never makes a second job."""
+        requests: list[JobRequest] = []
+        keys: list[str | None] = []
+        for index, job in enumerate(jobs):
+            request, key = self._validate(index, job)
+            requests.append(request)
+            keys.append(key)
         if not requests:
             return []
-        job_ids = [uuid.uuid4().hex for _ in requests]
-        with _translated(f"route {len(requests)} jobs; nothing was recorded or enqueued"):
-            routed = self._route(requests, job_ids)
+        distinct = list(dict.fromkeys(request.document for request in requests))
+        document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
+        question_tokens = self._prompts.questions([request.question for request in requests])
+        return self.submit_prepared([
+            PreparedJob(request.document, document_tokens[request.document], request.question,
+                        tokens, request.sampling, key)
+            for request, tokens, key in zip(requests, question_tokens, keys, strict=True)])
+
+    def submit_prepared(self, jobs: Sequence[PreparedJob]) -> list[str]:
+        """Submit jobs whose prompts are already tokenized (what `submit_many` and the batch
+        server's ingestion both end in): check lengths, route each by its prefix's block
+        hashes, record prefixes once and jobs in one transaction, enqueue in one pipeline.
+        Sampling must already be validated. Returns the job IDs in input order; a job whose
+        idempotency key is recorded already gets that job's ID."""
+        self._check_lengths(jobs)
+        with _translated(f"look up the idempotency keys of {len(jobs)} jobs"):
+            recorded = self._store.jobs_by_key(
+                [job.idempotency_key for job in jobs if job.idempotency_key is not None])
+        job_ids: list[str] = []
+        new: list[PreparedJob] = []
+        new_ids: list[str] = []
+        for job in jobs:
+            key = job.idempotency_key
+            if key is not None and key in recorded:
+                job_ids.append(recorded[key])
+                continue
+            job_id = uuid.uuid4().hex
+            if key is not None:
+                recorded[key] = job_id
+            new.append(job)
+            new_ids.append(job_id)
+            job_ids.append(job_id)
+        if new:
+            taken = self._record_and_enqueue(new, new_ids)
+            job_ids = [taken.get(job_id, job_id) for job_id in job_ids]
+        return job_ids
+
+    def _record_and_enqueue(self, jobs: Sequence[PreparedJob], job_ids: Sequence[str]
+                            ) -> dict[str, str]:
+        """Route, record and enqueue new jobs. Returns, for jobs whose idempotency key a
+        concurrent submit recorded first, the ID of that submit's job: they are neither
+        recorded nor enqueued, and what routing charged for them is returned."""
+        with _translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
+            routed, prefix_keys = self._route(jobs, job_ids)
         messages = form_batches(routed.placed, self.settings.batch_size)
         message_of = {job_id: message.message_id for message in messages
                       for job_id in message.job_ids}
         now = utcnow()
         # Workers read everything a job runs from here: queue messages only name jobs.
-        document_rows = [{"key": key, "text_zst": compression.compress(text.encode()),
-                          "tokens_zst": compression.pack_tokens(routed.document_tokens[key]),
-                          "tokens": len(routed.document_tokens[key]), "created_at": now}
-                         for key, text in routed.document_texts.items()]
+        document_rows = [{"key": key, "text_zst": compression.compress(job.prefix.encode()),
+                          "tokens_zst": compression.pack_tokens(job.prefix_tokens),
+                          "tokens": len(job.prefix_tokens), "created_at": now}
+                         for key, job in prefix_keys.items()]
         job_rows = [{
-            "id": job.job_id, "document_key": job.document_key, "question": request.question,
-            "question_tokens_zst": compression.pack_tokens(question_tokens),
-            "sampling": request.sampling, "shard": job.shard, "status": JobStatus.QUEUED.value,
-            "prompt_tokens": len(routed.document_tokens[job.document_key])
-            + len(question_tokens),
-            "estimated_prefill": prefill, "load": load, "message_id": message_of[job.job_id],
-            "submitted_at": now, "enqueued_at": now,
-        } for request, job, question_tokens, prefill, load in zip(
-            requests, routed.placed, routed.question_tokens, routed.estimated_prefills,
-            routed.loads, strict=True)]
+            "id": placed.job_id, "document_key": placed.document_key, "question": job.question,
+            "question_tokens_zst": compression.pack_tokens(job.suffix_tokens),
+            "sampling": job.sampling, "shard": placed.shard,
+            "status": JobStatus.QUEUED.value, "prompt_tokens": job.prompt_tokens,
+            "estimated_prefill": prefill, "load": load,
+            "message_id": message_of[placed.job_id], "submitted_at": now, "enqueued_at": now,
+            **({"idempotency_key": job.idempotency_key}
+               if job.idempotency_key is not None else {}),
+        } for job, placed, prefill, load in zip(
+            jobs, routed.placed, routed.estimated_prefills, routed.loads, strict=True)]
         try:
-            self._store.record_submitted(document_rows, job_rows)
+            taken = self._store.record_submitted(document_rows, job_rows)
         except _STORAGE_ERRORS as error:
-            self._return_charges(routed)
+            self._return_charges(routed.charges())
             raise StorageUnavailable(
                 f"could not record {len(job_rows)} jobs ({type(error).__name__}); nothing was "
                 "enqueued, submit them again once the database is back") from error
+        if taken:
+            self._return_charges(routed.charges(set(taken)))
+            messages = [replace(message, job_ids=kept) for message in messages
+                        if (kept := [job_id for job_id in message.job_ids
+                                     if job_id not in taken])]
         try:
             publish(self._celery, messages)
         except Exception as error:
-            with _translated(f"withdraw {len(job_rows)} jobs after Redis refused them"):
-                self._store.forget_submitted(job_ids)
-            self._return_charges(routed)
+            recorded = [row["id"] for row in job_rows if row["id"] not in taken]
+            with _translated(f"withdraw {len(recorded)} jobs after Redis refused them"):
+                self._store.forget_submitted(recorded)
+            self._return_charges(routed.charges(set(recorded)))
             raise BrokerUnavailable(
-                f"could not enqueue {len(job_rows)} jobs ({type(error).__name__}: {error}); "
+                f"could not enqueue {len(recorded)} jobs ({type(error).__name__}: {error}); "
                 "nothing was kept, submit them again") from error
-        log.debug("submitted %d jobs", len(job_rows))
-        return job_ids
+        log.debug("submitted %d jobs", len(job_rows) - len(taken))
+        return taken
 
-    def _return_charges(self, routed: _Routed) -> None:
-        """Give back what a submit that kept nothing charged; if Redis is gone too, the
-        reconciler returns it later."""
+    def _return_charges(self, charges: dict[int, int]) -> None:
+        """Give back what a submit charged for jobs it did not keep; if Redis is gone too,
+        the reconciler returns it later."""
         try:
-            self._shard_state.release(routed.charges())
+            self._shard_state.release(charges)
         except _BROKER_ERRORS as error:
             log.warning("could not return the load of an abandoned submit: %s", error)
 
-    def _route(self, requests: Sequence[JobRequest], job_ids: Sequence[str]) -> _Routed:
-        """Tokenize (each document once), check lengths and pick shards, charging them;
-        nothing is written to the database here."""
-        distinct = list(dict.fromkeys(request.document for request in requests))
-        document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
-        question_tokens = self._prompts.questions([request.question for request in requests])
-        self._check_lengths(requests, document_tokens, question_tokens)
-        keys = {text: document_keys(tokens, self.settings.block_size)
-                for text, tokens in document_tokens.items()}
+    def _route(self, jobs: Sequence[PreparedJob], job_ids: Sequence[str]
+               ) -> tuple[_Routed, dict[str, PreparedJob]]:
+        """Hash each distinct prefix once and pick shards, charging them; nothing is written
+        to the database here. Also returns one job per distinct prefix key."""
+        # Jobs on one prefix share its token list: hashed once per list, not per job.
+        keys: dict[int, DocumentKeys] = {}
+        for job in jobs:
+            if id(job.prefix_tokens) not in keys:
+                keys[id(job.prefix_tokens)] = document_keys(job.prefix_tokens,
+                                                            self.settings.block_size)
+        prefix_keys = [keys[id(job.prefix_tokens)] for job in jobs]
         decode_cost = self.settings.routing_decode_cost
         routes = self._router.route([
-            RoutingJob(keys[request.document], len(document_tokens[request.document]) + len(tokens),
-                       decode_load(request.sampling["max_tokens"], decode_cost))
-            for request, tokens in zip(requests, question_tokens, strict=True)])
+            RoutingJob(prefix, job.prompt_tokens,
+                       decode_load(job.sampling["max_tokens"], decode_cost))
+            for job, prefix in zip(jobs, prefix_keys, strict=True)])
         return _Routed(
-            placed=[PlacedJob(job_id, route.shard, keys[request.document].document_key)
-                    for job_id, request, route in zip(job_ids, requests, routes, strict=True)],
+            placed=[PlacedJob(job_id, route.shard, prefix.document_key) for job_id, prefix, route
+                    in zip(job_ids, prefix_keys, routes, strict=True)],
             loads=[route.load for route in routes],
             estimated_prefills=[route.estimated_prefill for route in routes],
-            question_tokens=question_tokens,
-            document_tokens={keys[text].document_key: tokens
-                             for text, tokens in document_tokens.items()},
-            document_texts={keys[text].document_key: text for text in distinct})
+        ), {prefix.document_key: job for job, prefix in zip(jobs, prefix_keys, strict=True)}
 
     def get(self, job_id: str) -> JobRecord:
         with _translated(f"read job {job_id}"):
@@ -255,10 +329,26 @@ class Client:
             released = self._store.cancel(job_id)
             if released is None:
                 return False
-            self._shard_state.release(released)
-            # A worker running the job aborts it; one that has it queued skips it.
-            self._redis.publish(CANCEL_CHANNEL, job_id)
+            self._announce_cancelled([job_id], released)
         return True
+
+    def cancel_many(self, job_ids: Sequence[str]) -> list[str]:
+        """Cancel those of these jobs that have not finished, in one statement; returns the
+        IDs of those it cancelled."""
+        with _translated(f"cancel {len(job_ids)} jobs"):
+            cancelled = self._store.cancel_many(job_ids)
+            if cancelled.job_ids:
+                self._announce_cancelled(cancelled.job_ids, cancelled.released)
+        return cancelled.job_ids
+
+    def _announce_cancelled(self, job_ids: Sequence[str], released: dict[int, int]) -> None:
+        """Return cancelled jobs' load; a worker running one aborts it, one that has it
+        queued skips it."""
+        self._shard_state.release(released)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.publish(CANCEL_CHANNEL, job_id)
+            pipe.execute()
 
     def unfinished(self, job_ids: Sequence[str]) -> list[str]:
         """The jobs among these that have not finished yet, in the order given (poll with the
@@ -276,24 +366,27 @@ class Client:
             raise JobNotFound(f"no job with ID {missing[0]!r}")
         return [job_id for job_id in job_ids if not statuses[job_id].finished]
 
-    def _validate(self, index: int, job: Mapping[str, Any]) -> JobRequest:
+    def _validate(self, index: int, job: Mapping[str, Any]) -> tuple[JobRequest, str | None]:
         if not isinstance(job, Mapping):
             raise InvalidJob(f"job {index}: expected a mapping, got {type(job).__name__}")
         fields = dict(job)
+        key = fields.pop("idempotency_key", None)
+        if key is not None and not (isinstance(key, str)
+                                    and 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS):
+            raise InvalidJob(f"job {index}: idempotency_key must be a string of 1 to "
+                             f"{MAX_IDEMPOTENCY_KEY_CHARS} characters")
         try:
             return validate_job(fields.pop("document", None), fields.pop("question", None),
-                                fields, self._limits)
+                                fields, self._limits), key
         except InvalidJob as error:
             raise InvalidJob(f"job {index}: {error}") from None
 
-    def _check_lengths(self, requests: Sequence[JobRequest],
-                       document_tokens: Mapping[str, list[int]],
-                       question_tokens: Sequence[list[int]]) -> None:
+    def _check_lengths(self, jobs: Sequence[PreparedJob]) -> None:
         limit = self._prompts.context_length
-        for index, (request, tokens) in enumerate(zip(requests, question_tokens, strict=True)):
-            prompt = len(document_tokens[request.document]) + len(tokens)
-            if prompt + request.max_tokens > limit:
+        for index, job in enumerate(jobs):
+            max_tokens = job.sampling["max_tokens"]
+            if job.prompt_tokens + max_tokens > limit:
                 raise InvalidJob(
-                    f"job {index}: prompt of {prompt} tokens plus max_tokens "
-                    f"{request.max_tokens} exceeds the model's context of {limit} tokens; "
+                    f"job {index}: prompt of {job.prompt_tokens} tokens plus max_tokens "
+                    f"{max_tokens} exceeds the model's context of {limit} tokens; "
                     "shorten the document or lower max_tokens")

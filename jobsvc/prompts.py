@@ -61,6 +61,10 @@ class PromptBuilder:
                 f"cannot tell the context length of {self._model!r}; set JOBSVC_MAX_MODEL_LEN")
         return int(length)
 
+    def encode(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
+        """Token IDs of each text as it is, with the model's leading special tokens or not."""
+        return self._tokenizer.encode_many(list(texts), special=special)
+
     def documents(self, texts: Sequence[str]) -> list[list[int]]:
         """Token IDs of each document, with the model's leading special tokens."""
         return self._tokenizer.encode_many(list(texts), special=True)

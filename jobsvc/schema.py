@@ -87,6 +87,14 @@ _SAMPLING_CHECKS = {
 SAMPLING_KEYS = frozenset({*_SAMPLING_CHECKS, "stop"})
 
 
+def check_sampling_value(name: str, value: Any, max_stop_chars: int) -> None:
+    """Check one sampling key of SAMPLING_KEYS (InvalidJob names it if its value is wrong)."""
+    if name == "stop":
+        _check_stop(name, value, max_stop_chars)
+    else:
+        _SAMPLING_CHECKS[name](name, value)
+
+
 def _check_text(name: str, value: Any, limit: int) -> str:
     if not isinstance(value, str):
         raise InvalidJob(f"{name} must be text (str), got {type(value).__name__}")
@@ -138,10 +146,7 @@ def validate_job(document: Any, question: Any, sampling: Mapping[str, Any],
         raise InvalidJob(f"unknown sampling key(s) {unknown}; allowed: {sorted(SAMPLING_KEYS)}")
     merged = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **sampling}
     for name, value in merged.items():
-        if name == "stop":
-            _check_stop(name, value, limits.max_stop_chars)
-        else:
-            _SAMPLING_CHECKS[name](name, value)
+        check_sampling_value(name, value, limits.max_stop_chars)
     if merged.get("min_tokens", 0) > merged["max_tokens"]:
         raise InvalidJob("min_tokens must not exceed max_tokens")
     if "stop" in merged:

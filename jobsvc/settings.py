@@ -99,6 +99,16 @@ class Settings:
     max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
     log_level: str = "INFO"
+    # `jobsvc serve`: the bearer key every request must carry (empty: none asked), the largest
+    # accepted upload, and the model name the OpenAI API shows and batch lines must name.
+    api_key: str = ""
+    max_upload_bytes: int = 200_000_000
+    served_model_name: str = "jobsvc"
+    # How long a batch may run before it expires (OpenAI's "24h"); shorter only in tests.
+    batch_window_seconds: int = 86_400
+    # Seconds a server's claim on driving a batch lasts unless renewed (it renews every
+    # second): after a crash, another server takes the batch over this long later.
+    batch_lease_seconds: int = 30
 
     @property
     def resolved_database_url(self) -> str:
@@ -152,6 +162,12 @@ class Settings:
                                      f"{', '.join(DTYPES)}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
+        if self.max_upload_bytes < 1 or self.batch_window_seconds < 1:
+            raise ConfigurationError(
+                "JOBSVC_MAX_UPLOAD_BYTES and JOBSVC_BATCH_WINDOW_SECONDS must be >= 1")
+        if self.batch_lease_seconds < 3 or not self.served_model_name:
+            raise ConfigurationError("JOBSVC_BATCH_LEASE_SECONDS must be >= 3 and "
+                                     "JOBSVC_SERVED_MODEL_NAME not empty")
 
 
 def masked_url(url: str) -> str:

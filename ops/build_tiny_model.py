@@ -41,6 +41,13 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 
+# A plain chat format for the OpenAI chat endpoint of `jobsvc serve`: each message under its
+# role's tag and closed by the end-of-sequence token, then the assistant's tag.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
 TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast",
     "bos_token": "<s>",
@@ -48,6 +55,7 @@ TOKENIZER_CONFIG = {
     "unk_token": "<unk>",
     "model_max_length": CONTEXT,
     "add_bos_token": True,
+    "chat_template": CHAT_TEMPLATE,
 }
 
 

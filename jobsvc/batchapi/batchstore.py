@@ -1,0 +1,265 @@
+"""Batches and their request lines in PostgreSQL: what the API shows, and what the driver
+needs to take a batch to its end after any restart.
+
+Who drives a batch is a lease on its row (`driver`, `lease_until`) rather than an advisory
+lock: a lease holds through a connection pool and a dropped connection alike (a blip in the
+network does not hand a batch to another server mid-step), it shows in the table which server
+drives what, and it works on the embedded SQLite too. Every write of the driver is fenced by
+its lease: it changes the row only while the row still names that driver, so a server that
+stalled past its lease learns it (LeaseLost) instead of writing over its successor."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import case, func, insert, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from jobsvc.batchapi.ingest import LineOutcome
+from jobsvc.batchapi.listing import page_rows
+from jobsvc.batchapi.tables import BatchLine, BatchRow
+from jobsvc.schema import JobStatus
+from jobsvc.store import Job, Result, utcnow
+
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+# A cancel takes a batch in these states to `cancelling`; later ones are past cancelling.
+CANCELLABLE = ("validating", "in_progress")
+
+
+class LeaseLost(RuntimeError):
+    """Another server drives this batch now; this one must stop touching it."""
+
+
+class BatchChanged(RuntimeError):
+    """The batch left the state a step started from (a cancel came in); the next step sees
+    the new one."""
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict[str, str] | None
+    status: str
+    ending: str | None
+    errors: list[dict[str, Any]] | None
+    total: int
+    completed: int
+    failed: int
+    ingested_line: int
+    usage: dict[str, int] | None
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    in_progress_at: datetime | None
+    finalizing_at: datetime | None
+    completed_at: datetime | None
+    failed_at: datetime | None
+    expired_at: datetime | None
+    cancelling_at: datetime | None
+    cancelled_at: datetime | None
+
+
+_FIELDS = [field.name for field in fields(BatchRecord)]
+_COLUMNS = [BatchRow.__table__.c[name] for name in _FIELDS]
+
+
+def _record(row: Any) -> BatchRecord:
+    """A batch from a row of the batches table (its columns, by name)."""
+    return BatchRecord(**{name: row._mapping[name] for name in _FIELDS})
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Where a batch's lines stand, and the tokens of those that succeeded."""
+
+    lines: int
+    succeeded: int
+    failed: int
+    unfinished: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    def usage(self) -> dict[str, Any]:
+        return {"input_tokens": self.input_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+
+@dataclass(frozen=True)
+class OutputRow:
+    """A line with what its job came to, for the output and error files."""
+
+    line: int
+    custom_id: str
+    job_id: str | None
+    error: dict[str, Any] | None
+    status: str | None
+    job_error: str | None
+    prompt_tokens: int | None
+    sampling: dict[str, Any] | None
+    finished_at: datetime | None
+    answer_zst: bytes | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+
+
+class BatchStore:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._insert = (postgresql.insert if engine.dialect.name == "postgresql"
+                        else sqlite.insert)
+
+    def create(self, *, endpoint: str, input_file_id: str, completion_window: str,
+               metadata: dict[str, str] | None, window_seconds: int) -> BatchRecord:
+        now = utcnow()
+        with self._engine.begin() as connection:
+            row = connection.execute(insert(BatchRow).values(
+                id=f"batch_{uuid.uuid4().hex}", endpoint=endpoint, input_file_id=input_file_id,
+                completion_window=completion_window, batch_metadata=metadata,
+                status="validating", total=0, completed=0, failed=0, ingested_line=0,
+                created_at=now, expires_at=now + timedelta(seconds=window_seconds))
+                .returning(*_COLUMNS)).one()
+            return _record(row)
+
+    def get(self, batch_id: str) -> BatchRecord | None:
+        with self._engine.connect() as connection:
+            row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
+        return None if row is None else _record(row)
+
+    def page(self, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """Up to `limit` batches, newest first, after the batch `after`; and whether more
+        follow."""
+        with self._engine.connect() as connection:
+            rows, more = page_rows(connection, select(*_COLUMNS), BatchRow.created_at,
+                                   BatchRow.id, after=after, limit=limit, ascending=False)
+        return [_record(row) for row in rows], more
+
+    def request_cancel(self, batch_id: str) -> BatchRecord | None:
+        """Mark a validating or running batch `cancelling` (its driver does the rest); a
+        batch past that is left as it is. None: no such batch."""
+        with self._engine.begin() as connection:
+            connection.execute(
+                update(BatchRow).where(BatchRow.id == batch_id,
+                                       BatchRow.status.in_(CANCELLABLE))
+                .values(status="cancelling", ending="cancelled", cancelling_at=utcnow()))
+            row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
+        return None if row is None else _record(row)
+
+    def claim(self, driver: str, lease_seconds: int, only: str | None = None
+              ) -> list[BatchRecord]:
+        """Take (or keep) the lease of every unfinished batch no other live server holds
+        (of batch `only`, if given)."""
+        now = utcnow()
+        query = update(BatchRow).where(
+            BatchRow.status.in_(UNFINISHED),
+            or_(BatchRow.driver.is_(None), BatchRow.driver == driver,
+                BatchRow.lease_until < now))
+        if only is not None:
+            query = query.where(BatchRow.id == only)
+        with self._engine.begin() as connection:
+            rows = connection.execute(
+                query
+                .values(driver=driver, lease_until=now + timedelta(seconds=lease_seconds))
+                .returning(*_COLUMNS)).all()
+            return sorted((_record(row) for row in rows), key=lambda batch: batch.created_at)
+
+    def release(self, driver: str) -> None:
+        """Give up every lease of this driver (a server stopping), so another takes over at
+        once."""
+        with self._engine.begin() as connection:
+            connection.execute(update(BatchRow).where(BatchRow.driver == driver)
+                               .values(driver=None, lease_until=None))
+
+    def advance(self, batch_id: str, holder: str, lease_seconds: int, *,
+                status_was: str | None = None, connection: Connection | None = None,
+                **values: Any) -> None:
+        """Change a batch that `holder` drives, renewing its lease; LeaseLost if it no longer
+        holds it. With `status_was`, only while the batch is still in that state (a cancel
+        may have come in meanwhile): BatchChanged otherwise."""
+        if connection is None:
+            with self._engine.begin() as own:
+                self.advance(batch_id, holder, lease_seconds, status_was=status_was,
+                             connection=own, **values)
+            return
+        held = connection.execute(
+            update(BatchRow).where(BatchRow.id == batch_id, BatchRow.driver == holder)
+            .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
+            .returning(BatchRow.status)).scalar_one_or_none()
+        if held is None:
+            raise LeaseLost(f"batch {batch_id} is no longer driven by {holder}")
+        if status_was is not None and held != status_was:
+            raise BatchChanged(f"batch {batch_id} is {held} now, no longer {status_was}")
+        if values:
+            connection.execute(update(BatchRow).where(BatchRow.id == batch_id).values(**values))
+
+    def record_lines(self, batch_id: str, driver: str, lease_seconds: int,
+                     outcomes: Sequence[LineOutcome], last_line: int) -> None:
+        """Record a slice's lines and the progress they make, together; a line recorded
+        before keeps its first row."""
+        with self._engine.begin() as connection:
+            self.advance(batch_id, driver, lease_seconds, connection=connection,
+                         ingested_line=last_line)
+            if outcomes:
+                connection.execute(self._insert(BatchLine).on_conflict_do_nothing(), [
+                    {"batch_id": batch_id, "line": outcome.line,
+                     "custom_id": outcome.custom_id, "job_id": outcome.job_id,
+                     "error": outcome.error} for outcome in outcomes])
+
+    def tally(self, batch_id: str) -> Tally:
+        status = Job.status
+        finished_badly = status.in_([JobStatus.FAILED.value, JobStatus.CANCELLED.value])
+        succeeded = status == JobStatus.SUCCEEDED.value
+        query = (
+            select(func.count(),
+                   _count(succeeded),
+                   _count(or_(BatchLine.error.is_not(None), finished_badly)),
+                   _count(status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value])),
+                   func.coalesce(func.sum(case((succeeded, Job.prompt_tokens), else_=0)), 0),
+                   func.coalesce(func.sum(Result.cached_tokens), 0),
+                   func.coalesce(func.sum(Result.completion_tokens), 0))
+            .select_from(BatchLine)
+            .outerjoin(Job, Job.id == BatchLine.job_id)
+            .outerjoin(Result, Result.job_id == Job.id)
+            .where(BatchLine.batch_id == batch_id))
+        with self._engine.connect() as connection:
+            return Tally(*(int(value) for value in connection.execute(query).one()))
+
+    def unfinished_jobs(self, batch_id: str, limit: int) -> list[str]:
+        """Up to `limit` of the batch's jobs that have not finished."""
+        query = (select(Job.id).select_from(BatchLine).join(Job, Job.id == BatchLine.job_id)
+                 .where(BatchLine.batch_id == batch_id,
+                        Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]))
+                 .limit(limit))
+        with self._engine.connect() as connection:
+            return list(connection.execute(query).scalars())
+
+    def output_rows(self, batch_id: str, after_line: int, limit: int) -> list[OutputRow]:
+        """The batch's lines after `after_line`, in order, with their jobs' outcomes."""
+        query = (
+            select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,
+                   Job.status, Job.error.label("job_error"), Job.prompt_tokens, Job.sampling,
+                   Job.finished_at, Result.answer_zst, Result.completion_tokens,
+                   Result.cached_tokens)
+            .select_from(BatchLine)
+            .outerjoin(Job, Job.id == BatchLine.job_id)
+            .outerjoin(Result, Result.job_id == Job.id)
+            .where(BatchLine.batch_id == batch_id, BatchLine.line > after_line)
+            .order_by(BatchLine.line).limit(limit))
+        with self._engine.connect() as connection:
+            return [OutputRow(*row) for row in connection.execute(query)]
+
+
+def _count(condition: Any) -> Any:
+    return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)

@@ -1,0 +1,311 @@
+"""The batch driver: a thread of `jobsvc serve` that takes every unfinished batch to its end.
+
+Each round it takes the lease of the batches no other live server drives (see
+`batchstore`), then moves each one step: validate the file, make its lines jobs (a slice at a
+time, recording each slice's lines and progress together, under idempotency keys, so a
+server killed mid-slice and restarted makes no job twice), follow its jobs, and at the end
+write the output and error files. Cancelling or expiry cancels the batch's unfinished jobs
+through `Client.cancel_many`, and the lines never submitted end with the same error code.
+Everything it knows is in the database: a restarted server, or another one once the lease
+runs out, carries on where this one stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+
+from jobsvc import compression
+from jobsvc.batchapi.batchstore import (
+    BatchChanged,
+    BatchRecord,
+    BatchStore,
+    LeaseLost,
+    OutputRow,
+)
+from jobsvc.batchapi.filestore import FileStore, FileWriter
+from jobsvc.batchapi.ingest import Ingestor, LineOutcome
+from jobsvc.batchapi.lines import FileCheck, FileError, RequestLine, parse_line, split_lines
+from jobsvc.batchapi.responses import (
+    Answer,
+    ended_error,
+    jsonl,
+    output_line,
+    response_body,
+    server_error,
+)
+from jobsvc.client import Client
+from jobsvc.errors import BrokerUnavailable, StorageUnavailable
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from jobsvc.store import utcnow
+
+log = logging.getLogger(__name__)
+
+# Lines submitted per call: one routing decision, one transaction and one Redis pipeline each.
+SLICE_LINES = 1000
+# Lines read per query when writing the output files, and jobs cancelled per statement.
+_PAGE = 2000
+_ROUND_SECONDS = 1.0
+_FINAL_STATUS_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
+                       "expired": "expired_at"}
+
+
+def driver_name() -> str:
+    """This server's name on the batches it drives: host, process and a random part."""
+    return f"{socket.gethostname()[:30]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class BatchDriver:
+    def __init__(self, settings: Settings, client: Client, ingestor: Ingestor,
+                 engine: Engine, *, only: str | None = None) -> None:
+        self.name = driver_name()
+        # Drive this batch alone (`jobsvc run-batch`), not every batch of the fleet.
+        self._only = only
+        self._settings = settings
+        self._lease = settings.batch_lease_seconds
+        self._client = client
+        self._ingestor = ingestor
+        self._engine = engine
+        self._batches = BatchStore(engine)
+        self._files = FileStore(engine)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="batch-driver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the current step, then hand every batch this server drives back."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self._batches.release(self.name)
+        except Exception as error:
+            log.warning("could not hand back the batches' leases (%s); others take them over "
+                        "when the leases run out", error)
+
+    def wake(self) -> None:
+        """Start a round now (a batch was created or cancelled)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_round()
+            except Exception:
+                log.exception("batch round failed; trying again")
+            self._wake.wait(_ROUND_SECONDS)
+            self._wake.clear()
+
+    def run_round(self) -> None:
+        """Take the free leases and move each batch held one step."""
+        for batch in self._batches.claim(self.name, self._lease, only=self._only):
+            if self._stop.is_set():
+                return
+            try:
+                self.step(batch)
+            except (LeaseLost, BatchChanged) as reason:
+                log.info("%s", reason)
+            except (StorageUnavailable, BrokerUnavailable) as outage:
+                # The step is taken again next round; what it submitted is found by key.
+                log.warning("batch %s waits: %s", batch.id, outage)
+
+    def step(self, batch: BatchRecord) -> None:
+        expired = batch.expires_at is not None and utcnow() >= batch.expires_at
+        if batch.status == "validating":
+            if expired:
+                self._end(batch, "expired")
+            else:
+                self._validate(batch)
+        elif batch.status == "in_progress":
+            if expired:
+                self._advance(batch, status_was="in_progress", status="finalizing",
+                              ending="expired", finalizing_at=utcnow())
+                return
+            if self._batches.tally(batch.id).lines < batch.total:
+                self._ingest(batch)
+            self._follow(batch)
+        else:
+            self._end(batch, batch.ending or "completed")
+
+    def _advance(self, batch: BatchRecord, *, status_was: str | None = None,
+                 connection: Connection | None = None, **values: Any) -> None:
+        self._batches.advance(batch.id, self.name, self._lease, status_was=status_was,
+                              connection=connection, **values)
+
+    def _validate(self, batch: BatchRecord) -> None:
+        check = FileCheck(batch.endpoint)
+        if self._files.get(batch.input_file_id) is None:
+            check.errors.append(FileError("file_not_found", f"the input file "
+                                          f"{batch.input_file_id} no longer exists"))
+            check.failed = True
+        else:
+            for line, raw in split_lines(self._files.chunks(batch.input_file_id)):
+                check.add(line, raw)
+                if check.over_limit:
+                    break
+            check.finish()
+        now = utcnow()
+        if check.failed:
+            log.info("batch %s failed validation: %s", batch.id, check.errors[0].message)
+            self._advance(batch, status_was="validating", status="failed", failed_at=now,
+                          errors=[error.to_api() for error in check.errors], driver=None)
+            return
+        self._advance(batch, status_was="validating", status="in_progress", in_progress_at=now,
+                      total=check.requests)
+        log.info("batch %s: %d requests, validated", batch.id, check.requests)
+
+    def _remaining(self, batch: BatchRecord) -> Iterator[list[RequestLine]]:
+        """The lines not yet recorded, in slices (structure was checked at validation)."""
+        lines: list[RequestLine] = []
+        for line, raw in split_lines(self._files.chunks(batch.input_file_id)):
+            if line <= batch.ingested_line:
+                continue
+            lines.append(parse_line(line, raw, batch.endpoint))
+            if len(lines) == SLICE_LINES:
+                yield lines
+                lines = []
+        if lines:
+            yield lines
+
+    def _ingest(self, batch: BatchRecord) -> None:
+        """Submit every line not yet submitted, a slice at a time; a cancel, the window's
+        end or the server stopping stops it between slices."""
+        for lines in self._remaining(batch):
+            if self._stop.is_set():
+                return
+            outcomes = self._ingestor.ingest(batch.id, batch.endpoint, lines)
+            self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
+                                       lines[-1].line)
+            current = self._batches.get(batch.id)
+            if current is None or current.status != "in_progress" or (
+                    current.expires_at is not None and utcnow() >= current.expires_at):
+                return
+
+    def _follow(self, batch: BatchRecord) -> None:
+        """Bring the request counts up to date; once every line has ended, finalize."""
+        tally = self._batches.tally(batch.id)
+        values: dict[str, Any] = {"completed": tally.succeeded, "failed": tally.failed,
+                                  "usage": tally.usage()}
+        if tally.lines == batch.total and tally.unfinished == 0:
+            values.update(status="finalizing", ending="completed", finalizing_at=utcnow())
+        self._advance(batch, status_was="in_progress", **values)
+
+    def _end(self, batch: BatchRecord, ending: str) -> None:
+        """Take a batch to `ending`: after a cancel or expiry, end what has not run; then
+        write the output and error files and the final state, in one transaction."""
+        if batch.in_progress_at is None:
+            # Never validated: no line was read, so there is nothing to end or write.
+            self._advance(batch, status=ending, driver=None,
+                          **{_FINAL_STATUS_STAMP[ending]: utcnow()})
+            return
+        if ending != "completed":
+            code = "batch_expired" if ending == "expired" else "batch_cancelled"
+            while job_ids := self._batches.unfinished_jobs(batch.id, _PAGE):
+                self._client.cancel_many(job_ids)
+                self._advance(batch)
+            for lines in self._remaining(batch):
+                self._batches.record_lines(
+                    batch.id, self.name, self._lease,
+                    [LineOutcome(line.line, line.custom_id, None,
+                                 {"status_code": None, "error": ended_error(code)})
+                     for line in lines], lines[-1].line)
+        tally = self._batches.tally(batch.id)
+        with self._engine.connect() as connection, connection.begin():
+            output_id, error_id = self._write_files(batch, ending, connection)
+            self._advance(batch, connection=connection, status=ending, driver=None,
+                          output_file_id=output_id, error_file_id=error_id,
+                          completed=tally.succeeded, failed=tally.lines - tally.succeeded,
+                          usage=tally.usage(), **{_FINAL_STATUS_STAMP[ending]: utcnow()})
+        log.info("batch %s %s: %d succeeded, %d failed", batch.id, ending, tally.succeeded,
+                 tally.lines - tally.succeeded)
+
+    def _write_files(self, batch: BatchRecord, ending: str, connection: Connection
+                     ) -> tuple[str | None, str | None]:
+        """The output file (requests that succeeded) and the error file (every other one),
+        each line in input order; a file with no line is not made."""
+        files = {kind: _LazyFile(self._files, connection, f"{batch.id}_{kind}.jsonl")
+                 for kind in ("output", "error")}
+        after = 0
+        while rows := self._batches.output_rows(batch.id, after, _PAGE):
+            for row in rows:
+                kind, line = file_line(batch, ending, self._settings.served_model_name, row)
+                files[kind].write(jsonl(line))
+            after = rows[-1].line
+            # A lease renewed on its own connection: this transaction has not touched the
+            # batch's row yet, so it holds no lock the renewal would wait for.
+            self._advance(batch)
+        return files["output"].close(), files["error"].close()
+
+
+def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
+              ) -> tuple[str, dict[str, Any]]:
+    """Which file a line goes to ("output" or "error") and the line itself."""
+    line_id = f"batch_req_{row.job_id or _line_id(batch.id, row.line)}"
+    request_id = f"req_{row.job_id or _line_id(batch.id, row.line)}"
+    if row.error is not None:
+        if row.error["status_code"] is None:
+            return "error", output_line(line_id, row.custom_id, error=row.error["error"])
+        return "error", output_line(line_id, row.custom_id,
+                                    status_code=row.error["status_code"],
+                                    request_id=request_id, body={"error": row.error["error"]})
+    if row.status == JobStatus.SUCCEEDED.value and row.answer_zst is not None:
+        answer = Answer(
+            row.job_id or "", compression.decompress(row.answer_zst).decode(),
+            row.prompt_tokens or 0, row.completion_tokens or 0, row.cached_tokens or 0,
+            int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at))
+        return "output", output_line(line_id, row.custom_id, status_code=200,
+                                     request_id=request_id,
+                                     body=response_body(batch.endpoint, answer, model))
+    if row.status == JobStatus.FAILED.value:
+        return "error", output_line(line_id, row.custom_id, status_code=500,
+                                    request_id=request_id,
+                                    body=server_error(row.job_error or "the job failed"))
+    code = "batch_expired" if ending == "expired" else "batch_cancelled"
+    return "error", output_line(line_id, row.custom_id, error=ended_error(code))
+
+
+def _line_id(batch_id: str, line: int) -> str:
+    return hashlib.blake2b(f"{batch_id}:{line}".encode(), digest_size=12).hexdigest()
+
+
+def _seconds(moment: datetime | None) -> int:
+    return int((moment or utcnow()).timestamp())
+
+
+class _LazyFile:
+    """A produced file that exists only once its first line is written; it commits or rolls
+    back with the transaction of `connection`."""
+
+    def __init__(self, files: FileStore, connection: Connection, filename: str) -> None:
+        self._files = files
+        self._connection = connection
+        self._filename = filename
+        self._writer: FileWriter | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._writer is None:
+            self._writer = self._files.writer(self._filename, "batch_output",
+                                              connection=self._connection)
+            self._writer.__enter__()
+        self._writer.write(data)
+
+    def close(self) -> str | None:
+        if self._writer is None:
+            return None
+        self._writer.__exit__(None, None, None)
+        return self._writer.file_id
+

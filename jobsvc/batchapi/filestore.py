@@ -1,0 +1,158 @@
+"""Files in PostgreSQL as numbered chunks of at most CHUNK_BYTES: an upload is written a chunk
+at a time as it arrives, and a file is read back a chunk at a time, so no file is ever whole
+in memory. A file becomes visible only when its last chunk commits."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from jobsvc.batchapi.listing import page_rows
+from jobsvc.batchapi.tables import FileChunk, StoredFile
+from jobsvc.store import utcnow
+
+CHUNK_BYTES = 1 << 20
+
+
+class FileTooLarge(ValueError):
+    """An upload went past its limit; nothing of it was kept."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: datetime
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def _record(row: Any) -> FileRecord:
+    return FileRecord(row.id, row.filename, row.purpose, row.bytes, row.created_at)
+
+
+class FileWriter:
+    """Writes one file in one transaction: full chunks go to the database as they fill, the
+    file's row when it is closed. Leaving the `with` block on an exception keeps nothing."""
+
+    def __init__(self, engine: Engine, filename: str, purpose: str, *,
+                 limit: int | None = None, file_id: str | None = None,
+                 connection: Connection | None = None) -> None:
+        self.file_id = file_id or new_file_id()
+        self._filename = filename
+        self._purpose = purpose
+        self._limit = limit
+        self._engine = engine
+        self._own_connection = connection is None
+        self._connection = connection
+        self._buffer = bytearray()
+        self._seq = 0
+        self.size = 0
+        self.record: FileRecord | None = None
+
+    def __enter__(self) -> FileWriter:
+        if self._connection is None:
+            self._connection = self._engine.connect()
+            self._connection.begin()
+        # The row first, so that chunks can point at it; its size is set when it closes.
+        self._connection.execute(insert(StoredFile).values(
+            id=self.file_id, filename=self._filename, purpose=self._purpose, bytes=0,
+            created_at=utcnow()))
+        return self
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self._limit is not None and self.size > self._limit:
+            raise FileTooLarge(f"the file is larger than {self._limit} bytes "
+                               "(JOBSVC_MAX_UPLOAD_BYTES)")
+        self._buffer += data
+        while len(self._buffer) >= CHUNK_BYTES:
+            self._flush(bytes(self._buffer[:CHUNK_BYTES]))
+            del self._buffer[:CHUNK_BYTES]
+
+    def rename(self, filename: str) -> None:
+        """Set the file's name before it closes (an upload learns it from the form)."""
+        self._filename = filename
+
+    def _flush(self, chunk: bytes) -> None:
+        assert self._connection is not None
+        self._connection.execute(insert(FileChunk).values(file_id=self.file_id, seq=self._seq,
+                                                          data=chunk))
+        self._seq += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        assert self._connection is not None
+        try:
+            if exc_type is None:
+                if self._buffer:
+                    self._flush(bytes(self._buffer))
+                    self._buffer.clear()
+                created = self._connection.execute(
+                    update(StoredFile).where(StoredFile.id == self.file_id)
+                    .values(bytes=self.size, filename=self._filename)
+                    .returning(StoredFile)).one()
+                self.record = _record(created)
+                if self._own_connection:
+                    self._connection.commit()
+            elif self._own_connection:
+                self._connection.rollback()
+        finally:
+            if self._own_connection:
+                self._connection.close()
+
+
+class FileStore:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def writer(self, filename: str, purpose: str, *, limit: int | None = None,
+               file_id: str | None = None, connection: Connection | None = None) -> FileWriter:
+        """A writer for a new file; inside `connection`'s transaction if one is given."""
+        return FileWriter(self._engine, filename, purpose, limit=limit, file_id=file_id,
+                          connection=connection)
+
+    def get(self, file_id: str) -> FileRecord | None:
+        with self._engine.connect() as connection:
+            row = connection.execute(select(StoredFile).where(StoredFile.id == file_id)).first()
+        return None if row is None else _record(row)
+
+    def page(self, *, after: str | None, limit: int, ascending: bool,
+             purpose: str | None) -> tuple[list[FileRecord], bool]:
+        """Up to `limit` files after the file `after` in creation order (newest first unless
+        `ascending`), and whether more follow."""
+        query = select(StoredFile)
+        if purpose is not None:
+            query = query.where(StoredFile.purpose == purpose)
+        with self._engine.connect() as connection:
+            rows, more = page_rows(connection, query, StoredFile.created_at, StoredFile.id,
+                                   after=after, limit=limit, ascending=ascending)
+        return [_record(row) for row in rows], more
+
+    def delete(self, file_id: str) -> bool:
+        with self._engine.begin() as connection:
+            return connection.execute(
+                delete(StoredFile).where(StoredFile.id == file_id)).rowcount > 0
+
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        """The file's bytes, a chunk per query, so no more than one chunk is held."""
+        seq = 0
+        while True:
+            with self._engine.connect() as connection:
+                data = connection.execute(select(FileChunk.data).where(
+                    FileChunk.file_id == file_id, FileChunk.seq == seq)).scalar_one_or_none()
+            if data is None:
+                return
+            yield data
+            seq += 1

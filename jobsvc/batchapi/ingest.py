@@ -1,0 +1,129 @@
+"""A slice of a batch file's request lines, made jobs: each line checked and cut into shared
+prefix + own suffix (`rendering`), each distinct prefix tokenized once, prompt lengths checked,
+and the slice submitted through `Client.submit_prepared` under idempotency keys made from the
+batch and the line's custom_id, so a slice submitted again (a server that stopped before it
+recorded its progress) gets the jobs it made the first time."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jobsvc.batchapi.lines import RequestLine
+from jobsvc.batchapi.rendering import ChatTemplate, SplitPrompt, split_prompt
+from jobsvc.batchapi.requests import (
+    CHAT_ENDPOINT,
+    ChatRequest,
+    LineError,
+    parse_request,
+)
+from jobsvc.client import Client, PreparedJob
+from jobsvc.prompts import PromptBuilder
+
+
+def idempotency_key(batch_id: str, custom_id: str) -> str:
+    """The key of the job a batch's line makes: the same for every submit of that line."""
+    return f"{batch_id}:{hashlib.blake2b(custom_id.encode(), digest_size=16).hexdigest()}"
+
+
+@dataclass(frozen=True)
+class LineOutcome:
+    """A line's row in batch_lines: its job, or the 400 that kept it from having one."""
+
+    line: int
+    custom_id: str
+    job_id: str | None
+    error: dict[str, Any] | None
+
+
+def invalid(error: LineError) -> dict[str, Any]:
+    """The stored form of a line refused on its content: a 400 from its endpoint."""
+    return {"status_code": 400, "error": error.to_api()}
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    request: RequestLine
+    split: SplitPrompt
+    sampling: dict[str, Any]
+    max_tokens: int | None
+
+
+class Ingestor:
+    def __init__(self, client: Client, prompts: PromptBuilder, template: ChatTemplate, *,
+                 served_model: str, max_stop_chars: int) -> None:
+        self._client = client
+        self._prompts = prompts
+        self._template = template
+        self._served_model = served_model
+        self._max_stop_chars = max_stop_chars
+
+    def ingest(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]
+               ) -> list[LineOutcome]:
+        """Submit the slice's valid lines as jobs; every line gets its outcome, in order."""
+        errors: dict[int, LineError] = {}
+        accepted: list[_Accepted] = []
+        for request in lines:
+            try:
+                parsed = parse_request(endpoint, request.body, served_model=self._served_model,
+                                       max_stop_chars=self._max_stop_chars)
+                split = (self._template.split(parsed.messages)
+                         if isinstance(parsed, ChatRequest) else split_prompt(parsed.prompt))
+            except LineError as error:
+                errors[request.line] = error
+                continue
+            accepted.append(_Accepted(request, split, parsed.sampling, parsed.max_tokens))
+        jobs = self._prepare(batch_id, endpoint, accepted, errors)
+        job_ids = dict(zip((item.request.line for item, _ in jobs),
+                           self._client.submit_prepared([job for _, job in jobs]), strict=True))
+        return [LineOutcome(request.line, request.custom_id, job_ids.get(request.line),
+                            invalid(errors[request.line]) if request.line in errors else None)
+                for request in lines]
+
+    def _prepare(self, batch_id: str, endpoint: str, accepted: list[_Accepted],
+                 errors: dict[int, LineError]) -> list[tuple[_Accepted, PreparedJob]]:
+        """Tokenize (each distinct prefix once), check lengths, and make the jobs."""
+        # A rendered chat carries its special tokens as text; a completions prompt gets the
+        # model's leading ones, as vLLM's endpoints tokenize them.
+        completions = endpoint != CHAT_ENDPOINT
+        prefixes = list(dict.fromkeys(item.split.prefix for item in accepted))
+        prefix_tokens = dict(zip(prefixes, self._prompts.encode(prefixes, special=completions),
+                                 strict=True))
+        suffix_tokens = self._prompts.encode([item.split.suffix for item in accepted],
+                                             special=False)
+        context = self._prompts.context_length
+        jobs = []
+        for item, suffix in zip(accepted, suffix_tokens, strict=True):
+            prefix = prefix_tokens[item.split.prefix]
+            if not prefix or not suffix:
+                # Every stored prefix and suffix holds a token: move one across the cut.
+                joined = [*prefix, *suffix]
+                prefix, suffix = joined[:1], joined[1:]
+            prompt = len(prefix) + len(suffix)
+            max_tokens = item.max_tokens if item.max_tokens is not None else context - prompt
+            try:
+                _check_length(prompt, max_tokens, context, completions, bool(suffix))
+                if item.sampling.get("min_tokens", 0) > max_tokens:
+                    raise LineError("min_tokens must not exceed max_tokens", "min_tokens")
+            except LineError as error:
+                errors[item.request.line] = error
+                continue
+            jobs.append((item, PreparedJob(
+                item.split.prefix, prefix, item.split.suffix, suffix,
+                {**item.sampling, "max_tokens": max_tokens},
+                idempotency_key(batch_id, item.request.custom_id))))
+        return jobs
+
+
+def _check_length(prompt: int, max_tokens: int, context: int, completions: bool,
+                  has_suffix: bool) -> None:
+    field = "prompt" if completions else "messages"
+    if not has_suffix:
+        raise LineError(f"{field} is too short: its prompt is a single token", field)
+    if prompt + max(max_tokens, 1) > context:
+        raise LineError(
+            f"the prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the model's "
+            f"context of {context} tokens; shorten the {field} or lower max_tokens",
+            field if prompt >= context else "max_tokens", "context_length_exceeded")

@@ -1,0 +1,203 @@
+"""What one line of a batch file asks for, checked and mapped onto a job: the messages or the
+prompt, and sampling settings in jobsvc's terms (those of vLLM's SamplingParams). A line that
+asks for something wrong or unsupported fails alone, with an error naming the field, as an
+OpenAI endpoint would answer it with a 400. Pure: plain values in, plain values out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jobsvc.errors import InvalidJob
+from jobsvc.schema import check_sampling_value
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+# OpenAI's defaults where jobsvc's own differ: sampling at temperature 1, and a completion of
+# 16 tokens (a chat completion runs to the end of the context).
+OPENAI_TEMPERATURE = 1.0
+COMPLETIONS_MAX_TOKENS = 16
+# Keys with the same meaning in the OpenAI request and in jobsvc's sampling, vLLM's extra
+# ones included.
+_SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
+                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+# Keys that change nothing about the answer here.
+_IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "service_tier",
+                           "stream_options", "parallel_tool_calls"})
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class LineError(ValueError):
+    """A line that fails alone: what a 400 from the endpoint would say."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def to_api(self) -> dict[str, Any]:
+        return {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                "code": self.code}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    # Roles and text only: content parts are joined, `developer` is `system`.
+    messages: list[dict[str, str]]
+    sampling: dict[str, Any]
+    # None: as many as the context leaves after the prompt.
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    sampling: dict[str, Any]
+    max_tokens: int
+
+
+def _unsupported(param: str, what: str) -> LineError:
+    return LineError(f"{param}: {what} is not supported by this server", param,
+                     "unsupported_parameter")
+
+
+def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
+    """Features jobsvc does not serve, each refused by name when the line asks for it."""
+    if body.get("n") not in (None, 1):
+        raise _unsupported("n", "more than one choice (n > 1)")
+    if body.get("stream"):
+        raise _unsupported("stream", "streaming")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _unsupported(name, "tool calling")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise _unsupported(name, "tool calling")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        name = "logprobs" if body.get("logprobs") not in (None, False) else "top_logprobs"
+        raise _unsupported(name, "log probabilities")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "a logit bias")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise _unsupported("response_format", "a response format other than text")
+    if endpoint == COMPLETIONS_ENDPOINT:
+        if body.get("echo"):
+            raise _unsupported("echo", "echoing the prompt")
+        if body.get("best_of") not in (None, 1):
+            raise _unsupported("best_of", "best_of > 1")
+        if body.get("suffix") is not None:
+            raise _unsupported("suffix", "a suffix")
+
+
+_HANDLED = {
+    CHAT_ENDPOINT: frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "n",
+                              "stream", "tools", "functions", "tool_choice", "function_call",
+                              "logprobs", "top_logprobs", "logit_bias", "response_format",
+                              *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+    COMPLETIONS_ENDPOINT: frozenset({"prompt", "max_tokens", "stop", "n", "stream", "logprobs",
+                                     "logit_bias", "echo", "best_of", "suffix", "tools",
+                                     "functions", "tool_choice", "function_call",
+                                     "response_format", "top_logprobs",
+                                     *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+}
+
+
+def _sampling(body: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"temperature": OPENAI_TEMPERATURE}
+    for name in _SAMPLING_KEYS:
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    for name, value in sampling.items():
+        try:
+            check_sampling_value(name, value, max_stop_chars)
+        except InvalidJob as error:
+            raise LineError(str(error), name) from None
+    if "stop" in sampling:
+        sampling["stop"] = list(sampling["stop"])
+    return sampling
+
+
+def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = body.get(name)
+        if value is not None:
+            try:
+                check_sampling_value("max_tokens", value, 0)
+            except InvalidJob as error:
+                raise LineError(str(error).replace("max_tokens", name, 1), name) from None
+            return int(value)
+    return None
+
+
+def _text_content(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise LineError(f"messages[{index}].content must be text or a list of text parts",
+                        f"messages[{index}].content")
+    texts = []
+    for part_index, part in enumerate(content):
+        param = f"messages[{index}].content[{part_index}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _unsupported(f"{param}.type", f"content of type {kind!r} (only text is)")
+        if not isinstance(part.get("text"), str):
+            raise LineError(f"{param}.text must be a string", f"{param}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise LineError("messages must be a non-empty list", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise LineError(f"messages[{index}] must be an object", f"messages[{index}]")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _unsupported(f"messages[{index}].role", f"the role {role!r}")
+        if message.get("tool_calls"):
+            raise _unsupported(f"messages[{index}].tool_calls", "tool calling")
+        text = _text_content(index, message.get("content"))
+        if "\x00" in text:
+            raise LineError(f"messages[{index}].content contains a NUL character",
+                            f"messages[{index}].content")
+        messages.append({"role": _ROLES[role], "content": text})
+    return messages
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str) or not value:
+        raise LineError("prompt must be one non-empty string (lists of prompts and token IDs "
+                        "are not supported)", "prompt")
+    if "\x00" in value:
+        raise LineError("prompt contains a NUL character", "prompt")
+    return value
+
+
+def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
+                  max_stop_chars: int) -> ChatRequest | CompletionRequest:
+    """The request a line's body makes of `endpoint`, or LineError naming the field."""
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise LineError(f"model {model!r} is not served here; use {served_model!r}", "model",
+                        "model_not_found")
+    unknown = sorted(set(body) - _HANDLED[endpoint])
+    if unknown:
+        raise _unsupported(unknown[0], f"the parameter {unknown[0]!r}")
+    _refuse_unsupported(body, endpoint)
+    sampling = _sampling(body, max_stop_chars)
+    if endpoint == CHAT_ENDPOINT:
+        return ChatRequest(_messages(body.get("messages")), sampling,
+                           _max_tokens(body, ("max_completion_tokens", "max_tokens")))
+    max_tokens = _max_tokens(body, ("max_tokens",))
+    return CompletionRequest(_prompt(body.get("prompt")), sampling,
+                             COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens)

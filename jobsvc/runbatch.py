@@ -1,0 +1,152 @@
+"""`jobsvc run-batch -i IN.jsonl -o OUT.jsonl`: a batch file through the whole fleet for users
+of `vllm run-batch`. The file is stored and driven as a batch of the Batch API (so it is
+checked, split and routed the same way, and a second run-batch, or a server, carries on if
+this one stops), with a progress bar on standard error, and the output written as vLLM's tool
+writes it: one line per request in input order, errors included."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from jobsvc.batchapi.batchstore import BatchRecord, BatchStore
+from jobsvc.batchapi.driver import BatchDriver, file_line
+from jobsvc.batchapi.filestore import CHUNK_BYTES
+from jobsvc.batchapi.lines import ENDPOINTS, split_lines
+from jobsvc.batchapi.responses import jsonl
+from jobsvc.errors import JobsvcError
+from jobsvc.server.services import Services
+from jobsvc.settings import Settings
+
+_FINAL = ("completed", "failed", "expired", "cancelled")
+# Without a terminal, a progress line this often.
+_PLAIN_PROGRESS_SECONDS = 5.0
+_ROUND_SECONDS = 0.5
+_PAGE = 2000
+
+
+class BatchFileError(JobsvcError):
+    """The input file is not a batch file jobsvc can run."""
+
+
+def endpoint_of(path: Path) -> str:
+    """The endpoint of the file's first request: every line must name the same one."""
+    with path.open("rb") as stream:
+        for _line, raw in split_lines(iter(lambda: stream.read(CHUNK_BYTES), b"")):
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                url = None
+            if url not in ENDPOINTS:
+                raise BatchFileError(f"{path}: the first request's url must be one of "
+                                     f"{', '.join(ENDPOINTS)}, got {url!r}")
+            return str(url)
+    raise BatchFileError(f"{path} holds no requests")
+
+
+def to_vllm_line(line: dict[str, Any]) -> dict[str, Any]:
+    """An output or error file's line as `vllm run-batch` writes it: errors carry their
+    status in the response and vLLM's error object beside it."""
+    response = line["response"]
+    suffix = line["id"].removeprefix("batch_req_")
+    if response is not None and response["status_code"] == 200:
+        return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"],
+                "response": {**response, "request_id": f"vllm-batch-{suffix}"}, "error": None}
+    if response is None:
+        return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"], "response": None,
+                "error": {"error": {**line["error"], "type": "BatchError", "param": None}}}
+    error = response["body"]["error"]
+    return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"],
+            "response": {"status_code": response["status_code"],
+                         "request_id": f"vllm-batch-{suffix}", "body": None},
+            "error": {"error": {**error, "code": response["status_code"]}}}
+
+
+class _Progress:
+    """tqdm on a terminal; elsewhere a plain line every few seconds."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._bar: Any = None
+        self._last_line = 0.0
+
+    def show(self, batch: BatchRecord) -> None:
+        done = batch.completed + batch.failed
+        if self._stream.isatty():
+            if self._bar is None and batch.total:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=batch.total, file=self._stream, unit="req")
+            if self._bar is not None:
+                self._bar.n = done
+                self._bar.set_postfix_str(f"{batch.status}, {batch.failed} failed")
+            return
+        if time.monotonic() - self._last_line >= _PLAIN_PROGRESS_SECONDS or (
+                batch.status in _FINAL):
+            self._last_line = time.monotonic()
+            print(f"{batch.id}: {batch.status}, {done}/{batch.total} done, {batch.failed} "
+                  "failed", file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run_batch(settings: Settings, input_path: Path, output_path: Path,
+              progress_stream: IO[str] = sys.stderr) -> BatchRecord:
+    """Run the file to its end and write the output; returns the batch as it ended."""
+    endpoint = endpoint_of(input_path)
+    services = Services.open(settings)
+    try:
+        with input_path.open("rb") as stream, services.files.writer(
+                input_path.name, "batch") as writer:
+            while chunk := stream.read(CHUNK_BYTES):
+                writer.write(chunk)
+        batch = services.batches.create(
+            endpoint=endpoint, input_file_id=writer.file_id, completion_window="24h",
+            metadata={"source": "jobsvc run-batch"},
+            window_seconds=settings.batch_window_seconds)
+        driver = services.new_driver(only=batch.id)
+        progress = _Progress(progress_stream)
+        try:
+            batch = _drive(driver, services.batches, batch, progress)
+        except KeyboardInterrupt:
+            services.batches.request_cancel(batch.id)
+            batch = _drive(driver, services.batches, batch, progress)
+            raise
+        finally:
+            progress.close()
+            services.batches.release(driver.name)
+        if batch.status == "failed":
+            listed = "; ".join(error["message"] for error in batch.errors or [])
+            raise BatchFileError(f"{input_path} is not a valid batch file: {listed}")
+        _write_output(services.batches, batch, settings.served_model_name, output_path)
+        return batch
+    finally:
+        services.close()
+
+
+def _drive(driver: BatchDriver, batches: BatchStore, batch: BatchRecord,
+           progress: _Progress) -> BatchRecord:
+    while True:
+        driver.run_round()
+        current = batches.get(batch.id)
+        assert current is not None
+        progress.show(current)
+        if current.status in _FINAL:
+            return current
+        time.sleep(_ROUND_SECONDS)
+
+
+def _write_output(batches: BatchStore, batch: BatchRecord, model: str,
+                  output_path: Path) -> None:
+    ending = batch.status
+    after = 0
+    with output_path.open("wb") as output:
+        while rows := batches.output_rows(batch.id, after, _PAGE):
+            for row in rows:
+                output.write(jsonl(to_vllm_line(file_line(batch, ending, model, row)[1])))
+            after = rows[-1].line

@@ -1,0 +1,58 @@
+"""The FastAPI application of `jobsvc serve`: one router per resource, one error shape,
+bearer authentication on every route, and the batch driver running for the app's life."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+
+from jobsvc.server import batches, files
+from jobsvc.server.auth import bearer_key_check
+from jobsvc.server.errors import install_error_handlers
+from jobsvc.server.models import Health, ModelList, ModelObject
+from jobsvc.server.services import Services, services_of
+from jobsvc.settings import Settings
+
+_meta = APIRouter()
+
+
+@_meta.get("/v1/models")
+def list_models(request: Request) -> ModelList:
+    services = services_of(request)
+    return ModelList(data=[ModelObject(id=services.settings.served_model_name,
+                                       created=services.started)])
+
+
+@_meta.get("/health")
+def health() -> Health:
+    return Health()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.open(settings)
+        services.start_driver()
+        app.state.services = services
+        try:
+            yield
+        finally:
+            services.close()
+
+    app = FastAPI(title="jobsvc", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None, dependencies=[Depends(bearer_key_check(settings.api_key))])
+    install_error_handlers(app)
+    for router in (files.router, batches.router, _meta):
+        app.include_router(router)
+    return app
+
+
+def serve(settings: Settings, host: str, port: int) -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=10)
+

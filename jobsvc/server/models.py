@@ -1,0 +1,177 @@
+"""The response objects, each field the official `openai` client's types declare pinned
+(`FileObject`, `Batch`, `BatchRequestCounts`, `BatchUsage`, `BatchError`, `Model`, the cursor
+pages), and the one request body the server parses as JSON."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from jobsvc.batchapi.batchstore import BatchRecord
+from jobsvc.batchapi.filestore import FileRecord
+
+
+def _seconds(moment: datetime | None) -> int | None:
+    return None if moment is None else int(moment.timestamp())
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def of(cls, record: FileRecord) -> FileObject:
+        return cls(id=record.id, bytes=record.bytes, created_at=_seconds(record.created_at),
+                   filename=record.filename, purpose=record.purpose)
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    @classmethod
+    def of(cls, files: list[FileObject], has_more: bool) -> FileList:
+        return cls(data=files, first_id=files[0].id if files else None,
+                   last_id=files[-1].id if files else None, has_more=has_more)
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchRequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": 0}
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed",
+                    "expired", "cancelling", "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    errors: BatchErrors | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    usage: BatchUsage
+    metadata: dict[str, str] | None
+
+    @classmethod
+    def of(cls, batch: BatchRecord, model: str) -> BatchObject:
+        stamps = {name: _seconds(getattr(batch, name)) for name in (
+            "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
+            "expired_at", "cancelling_at", "cancelled_at")}
+        return cls(
+            id=batch.id, endpoint=batch.endpoint, model=model,
+            input_file_id=batch.input_file_id, completion_window=batch.completion_window,
+            status=batch.status, output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            errors=(None if batch.errors is None else BatchErrors(
+                data=[BatchError(**error) for error in batch.errors])),
+            created_at=_seconds(batch.created_at), **stamps,
+            request_counts=BatchRequestCounts(total=batch.total, completed=batch.completed,
+                                              failed=batch.failed),
+            usage=BatchUsage(**(batch.usage or _NO_USAGE)), metadata=batch.metadata)
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    @classmethod
+    def of(cls, batches: list[BatchObject], has_more: bool) -> BatchList:
+        return cls(data=batches, first_id=batches[0].id if batches else None,
+                   last_id=batches[-1].id if batches else None, has_more=has_more)
+
+
+class CreateBatch(BaseModel):
+    """POST /v1/batches. `endpoint` and `completion_window` are checked by the route, which
+    names the field in its 400."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jobsvc"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+

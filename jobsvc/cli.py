@@ -1,4 +1,4 @@
-"""The `jobsvc` command line: migrate, worker, demo, stats, flower."""
+"""The `jobsvc` command line: migrate, worker, demo, stats, status, flower."""
 
 from __future__ import annotations
 
@@ -88,6 +88,34 @@ def _stats(settings: Settings, _args: argparse.Namespace) -> None:
     print(json.dumps(store.totals(), default=str, indent=2))
 
 
+def _status(settings: Settings, args: argparse.Namespace) -> None:
+    import redis
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from jobsvc.errors import BrokerUnavailable, StorageUnavailable
+    from jobsvc.fleet import FleetReader
+    from jobsvc.status import exit_code, render_text, status_report
+    from jobsvc.store import Store
+
+    store = Store(settings.resolved_database_url)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    try:
+        fleet = FleetReader(settings, client, store).read(only=args.shard)
+    except redis.RedisError as error:
+        raise BrokerUnavailable(f"cannot read the queues and heartbeats in Redis at "
+                                f"{masked_url(settings.redis_url)}: {error}") from None
+    except SQLAlchemyError as error:
+        raise StorageUnavailable(f"cannot count the unfinished jobs: {type(error).__name__}: "
+                                 f"{str(error).splitlines()[0]}") from None
+    finally:
+        store.dispose()
+        client.close()
+    named = args.shard is not None
+    report = status_report(fleet, named=named)
+    print(json.dumps(report, indent=2) if args.json else render_text(report))
+    raise SystemExit(exit_code(fleet, named=named))
+
+
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
     # This interpreter's Celery: `celery` need not be on PATH (a virtual environment used
     # without activating it, as the README does). The broker URL goes through the
@@ -152,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     ).set_defaults(
         run=_requeue)
     commands.add_parser("stats", help="job and token totals as JSON").set_defaults(run=_stats)
+    status = commands.add_parser(
+        "status", help="per shard: queue, unfinished jobs, worker; exit code 0 when every "
+        "shard with work has a healthy worker")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--shard", type=int,
+                        help="this shard alone; exit code 0 only if its worker is healthy "
+                             "(a worker's health check)")
+    status.set_defaults(run=_status)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

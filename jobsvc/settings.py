@@ -98,6 +98,11 @@ class Settings:
     # Largest accepted queue message after decompression, in bytes.
     max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
+    # Each worker serves Prometheus metrics on this port plus its shard number; 0: none.
+    metrics_port: int = 9400
+    # The address workers serve them on: loopback, unless the scraper runs elsewhere (in
+    # docker-compose, the containers' own network).
+    metrics_address: str = "127.0.0.1"
     log_level: str = "INFO"
 
     @property
@@ -152,6 +157,9 @@ class Settings:
                                      f"{', '.join(DTYPES)}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
+        if not 0 <= self.metrics_port <= 65535 - self.shards:
+            raise ConfigurationError("JOBSVC_METRICS_PORT must be 0 (no worker metrics) or a "
+                                     "port that leaves room for one port per shard above it")
 
 
 def masked_url(url: str) -> str:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jobsvc.console import configure_logging
+from jobsvc.console import ProgressBar, configure_logging
 from jobsvc.errors import JobsvcError
 from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.settings import Settings, masked_url
@@ -53,7 +53,9 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            standalone_twice=args.standalone_twice,
                            compare_admission=args.compare_admission,
                            standalone_admission=args.standalone_admission)
-    result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
+    with ProgressBar(options.trials, "pairs", unit="pair") as bar:
+        result = run_bench(settings, options, progress=bar.write,
+                           pair_done=lambda: bar.advance(1))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
 

@@ -1,5 +1,6 @@
 """What operators see of a running service: the worker's own /metrics after it ran jobs, its
-heartbeat in `jobsvc status`, and the fleet's metrics over HTTP for shards no worker serves."""
+heartbeat in `jobsvc status`, the fleet's metrics over HTTP for shards no worker serves, and
+a producer's progress while it waits."""
 
 from __future__ import annotations
 
@@ -195,3 +196,14 @@ def test_a_heartbeat_says_what_the_worker_does_and_that_it_stopped(
     assert stopped.heartbeat.batches_in_flight == 0
     assert stopped.heartbeat.last_batch_finished_s is not None
     assert 0 < broker.ttl(heartbeat_key(23)) <= KEEP_SECONDS
+
+
+def test_a_producer_waiting_with_progress_sees_its_jobs_counted_to_the_end(
+        client: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = client.submit_many({"document": f"Tide table {number}. " * 50, "question": "High?",
+                              "max_tokens": 2} for number in range(6))
+    client.wait(ids, timeout=120, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    # Standard error is no terminal here: plain lines, the first and the last at least.
+    assert lines[0].startswith("finished: ") and lines[0].endswith(" of 6 jobs")
+    assert lines[-1] == "finished: 6 of 6 jobs"

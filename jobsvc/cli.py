@@ -119,13 +119,11 @@ def _status(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
-    # This interpreter's Celery: `celery` need not be on PATH (a virtual environment used
-    # without activating it, as the README does). The broker URL goes through the
-    # environment, where Celery looks for it, since a command line is readable by every
-    # local user and the URL may hold a password.
-    command = [sys.executable, "-m", "celery", "flower",
-               f"--address={args.address}", f"--port={settings.flower_port}"]
-    os.execve(command[0], command, {**os.environ, "CELERY_BROKER_URL": settings.redis_url})
+    from jobsvc.flower_app import run_flower
+
+    # In this process, with this interpreter's Celery and Flower: nothing need be on PATH,
+    # and the broker URL, which may hold a password, appears on no command line.
+    raise SystemExit(run_flower(settings, args.address))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from jobsvc.settings import Settings
 from jobsvc.store import Store
 
 # The job statuses counted per shard: the unfinished ones.
-ACTIVE_STATUSES = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+ACTIVE_STATUSES = tuple(status.value for status in JobStatus if not status.finished)
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ class Fleet:
 def queued_shards(client: redis.Redis) -> set[int]:
     """Shards whose queue holds messages (Redis keeps no empty list)."""
     return {shard for key in client.scan_iter(match=ALL_QUEUES_PATTERN, count=1000)
-            if (shard := shard_of_queue(key.decode() if isinstance(key, bytes) else key))
-            is not None}
+            if (shard := shard_of_queue(key)) is not None}
 
 
 def live_shards(client: redis.Redis) -> set[int]:

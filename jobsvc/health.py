@@ -39,7 +39,7 @@ class Heartbeat:
     worker: str
     host: str
     pid: int
-    # Seconds since the worker process started its engine (or began to).
+    # Seconds since the worker began to start its engine.
     up_s: float
     engine_ready: bool
     batches_in_flight: int
@@ -93,7 +93,7 @@ def read_heartbeats(client: redis.Redis) -> dict[int, SeenWorker]:
     """Every shard's latest heartbeat still kept, by shard. An unreadable record is logged and
     left out."""
     shards = sorted(shard for key in client.scan_iter(match=ALL_HEARTBEATS_PATTERN, count=1000)
-                    if (shard := shard_of_heartbeat(_text(key))) is not None)
+                    if (shard := shard_of_heartbeat(key)) is not None)
     with client.pipeline(transaction=False) as pipe:
         for shard in shards:
             pipe.get(heartbeat_key(shard))
@@ -114,7 +114,3 @@ def read_heartbeats(client: redis.Redis) -> dict[int, SeenWorker]:
             continue
         seen[shard] = SeenWorker(heartbeat, max(0.0, KEEP_SECONDS - remaining_ms / 1000))
     return seen
-
-
-def _text(key: bytes | str) -> str:
-    return key.decode() if isinstance(key, bytes) else key

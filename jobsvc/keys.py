@@ -14,7 +14,7 @@ def queue_name(shard: int) -> str:
     return f"{_QUEUE_PREFIX}{shard}"
 
 
-def shard_of_queue(key: str) -> int | None:
+def shard_of_queue(key: bytes | str) -> int | None:
     """The shard whose queue `key` is, or None for any other key."""
     return _shard_after(_QUEUE_PREFIX, key)
 
@@ -67,11 +67,13 @@ def heartbeat_key(shard: int) -> str:
     return f"{_HEARTBEAT_PREFIX}{shard}"
 
 
-def shard_of_heartbeat(key: str) -> int | None:
+def shard_of_heartbeat(key: bytes | str) -> int | None:
     """The shard whose heartbeat `key` is, or None for any other key."""
     return _shard_after(_HEARTBEAT_PREFIX, key)
 
 
-def _shard_after(prefix: str, key: str) -> int | None:
-    suffix = key[len(prefix):] if key.startswith(prefix) else ""
+def _shard_after(prefix: str, key: bytes | str) -> int | None:
+    """The shard number after `prefix` in a key as Redis returns it (bytes) or as named."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    suffix = text[len(prefix):] if text.startswith(prefix) else ""
     return int(suffix) if suffix.isdigit() else None

@@ -81,7 +81,7 @@ class HeartbeatKeeper:
         self._beat(stopped=True)
         self._redis.close()
 
-    def current(self, *, stopped: bool = False) -> Heartbeat:
+    def _record(self, *, stopped: bool = False) -> Heartbeat:
         in_flight, since_last = self._activity.now()
         return Heartbeat(shard=self._shard, worker=self._worker, host=socket.gethostname(),
                          pid=os.getpid(), up_s=time.monotonic() - self._started,
@@ -96,7 +96,7 @@ class HeartbeatKeeper:
 
     def _beat(self, *, stopped: bool = False) -> None:
         try:
-            write_heartbeat(self._redis, self.current(stopped=stopped))
+            write_heartbeat(self._redis, self._record(stopped=stopped))
         except redis.RedisError as error:
             if not self._failing:
                 log.warning("shard %d cannot write its heartbeat (%s); retrying every %.0f s",

@@ -575,7 +575,9 @@ def _timestamp(moment: datetime | None) -> float:
 
 
 def run_bench(settings: Settings, options: BenchOptions,
-              progress: Callable[[str], None] = print) -> dict[str, Any]:
+              progress: Callable[[str], None] = print,
+              pair_done: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run the bench; `progress` gets its lines, `pair_done` a call after each pair."""
     settings = replace(settings, shards=options.shards,
                        routing=options.policy or settings.routing)
     settings.validate()
@@ -587,12 +589,13 @@ def run_bench(settings: Settings, options: BenchOptions,
     try:
         bench.start_engines()
         with Client(settings=bench.workers.settings) as client:
-            return _run_pairs(bench, client, ADMISSION_MODES)
+            return _run_pairs(bench, client, ADMISSION_MODES, pair_done)
     finally:
         bench.stop_engines()
 
 
-def _run_pairs(bench: Bench, client: Client, modes: Sequence[str]) -> dict[str, Any]:
+def _run_pairs(bench: Bench, client: Client, modes: Sequence[str],
+               pair_done: Callable[[], None]) -> dict[str, Any]:
     options, progress = bench.options, bench.progress
     calibration_jobs = bench_jobs(options, trial=0)
     calibration_shape = trial_shape(calibration_jobs, bench.prompts, bench.router)
@@ -645,6 +648,7 @@ def _run_pairs(bench: Bench, client: Client, modes: Sequence[str]) -> dict[str, 
                  f"hypervisor {service.steal_seconds:.2f} vs {standalone.steal_seconds:.2f} s"
                  + (f"; disturbed: other programs took over {DISTURBED_SHARE:.0%} of the "
                     "machine's CPU during an arm" if pair.disturbed else ""))
+        pair_done()
     return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
 
 

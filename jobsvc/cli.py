@@ -1,4 +1,4 @@
-"""The `jobsvc` command line: migrate, worker, demo, stats, flower."""
+"""The `jobsvc` command line: migrate, worker, demo, stats, status, flower."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jobsvc.console import configure_logging
+from jobsvc.console import ProgressBar, configure_logging
 from jobsvc.errors import JobsvcError
 from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.settings import Settings, masked_url
@@ -53,7 +53,9 @@ def _bench(settings: Settings, args: argparse.Namespace) -> None:
                            standalone_twice=args.standalone_twice,
                            compare_admission=args.compare_admission,
                            standalone_admission=args.standalone_admission)
-    result = run_bench(settings, options, progress=lambda line: print(line, file=sys.stderr))
+    with ProgressBar(options.trials, "pairs", unit="pair") as bar:
+        result = run_bench(settings, options, progress=bar.write,
+                           pair_done=lambda: bar.advance(1))
     summary = {key: value for key, value in result.items() if key != "pairs"}
     print(json.dumps(summary, indent=2))
 
@@ -88,14 +90,40 @@ def _stats(settings: Settings, _args: argparse.Namespace) -> None:
     print(json.dumps(store.totals(), default=str, indent=2))
 
 
+def _status(settings: Settings, args: argparse.Namespace) -> None:
+    import redis
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from jobsvc.errors import BrokerUnavailable, StorageUnavailable
+    from jobsvc.fleet import FleetReader
+    from jobsvc.status import exit_code, render_text, status_report
+    from jobsvc.store import Store
+
+    store = Store(settings.resolved_database_url)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    try:
+        fleet = FleetReader(settings, client, store).read(only=args.shard)
+    except redis.RedisError as error:
+        raise BrokerUnavailable(f"cannot read the queues and heartbeats in Redis at "
+                                f"{masked_url(settings.redis_url)}: {error}") from None
+    except SQLAlchemyError as error:
+        raise StorageUnavailable(f"cannot count the unfinished jobs: {type(error).__name__}: "
+                                 f"{str(error).splitlines()[0]}") from None
+    finally:
+        store.dispose()
+        client.close()
+    named = args.shard is not None
+    report = status_report(fleet, named=named)
+    print(json.dumps(report, indent=2) if args.json else render_text(report))
+    raise SystemExit(exit_code(fleet, named=named))
+
+
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
-    # This interpreter's Celery: `celery` need not be on PATH (a virtual environment used
-    # without activating it, as the README does). The broker URL goes through the
-    # environment, where Celery looks for it, since a command line is readable by every
-    # local user and the URL may hold a password.
-    command = [sys.executable, "-m", "celery", "flower",
-               f"--address={args.address}", f"--port={settings.flower_port}"]
-    os.execve(command[0], command, {**os.environ, "CELERY_BROKER_URL": settings.redis_url})
+    from jobsvc.flower_app import run_flower
+
+    # In this process, with this interpreter's Celery and Flower: nothing need be on PATH,
+    # and the broker URL, which may hold a password, appears on no command line.
+    raise SystemExit(run_flower(settings, args.address))
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> None:
@@ -180,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("-o", "--output", type=Path, required=True,
                            help="where to write one result line per request")
     run_batch.set_defaults(run=_run_batch)
+    status = commands.add_parser(
+        "status", help="per shard: queue, unfinished jobs, worker; exit code 0 when every "
+        "shard with work has a healthy worker")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--shard", type=int,
+                        help="this shard alone; exit code 0 only if its worker is healthy "
+                             "(a worker's health check)")
+    status.set_defaults(run=_status)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
 from jobsvc.batching import PlacedJob, form_batches
+from jobsvc.console import ProgressBar
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
@@ -279,19 +280,22 @@ class Client:
         return record
 
     def wait(self, job_ids: Sequence[str] | str, timeout: float | None = None,
-             check_interval: float = 1.0) -> list[JobRecord]:
+             check_interval: float = 1.0, *, progress: bool = False) -> list[JobRecord]:
         """Block until every job has finished; return their records in the order given.
         Raises TimeoutError if `timeout` seconds pass first, JobNotFound for an unknown ID.
         The jobs are checked again once the database has announced as many finished jobs as
         are still unfinished, and at least every 10 s (or `check_interval` seconds, if
         longer); without announcements (on SQLite) every `check_interval` seconds, after
-        pauses that start at 50 ms and grow to that."""
+        pauses that start at 50 ms and grow to that. With `progress`, a tqdm bar on standard
+        error counts the jobs finished, moved on by each notification as it arrives (a plain
+        line now and then where standard error is no terminal)."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
-        with _translated(f"wait for {len(ids)} jobs"):
-            return self._wait(ids, timeout, check_interval)
+        with _translated(f"wait for {len(ids)} jobs"), ExitStack() as stack:
+            bar = stack.enter_context(ProgressBar(len(ids), "finished")) if progress else None
+            return self._wait(ids, timeout, check_interval, bar)
 
-    def _wait(self, ids: list[str], timeout: float | None,
-              check_interval: float) -> list[JobRecord]:
+    def _wait(self, ids: list[str], timeout: float | None, check_interval: float,
+              bar: ProgressBar | None) -> list[JobRecord]:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Listen only for jobs not finished yet, then check again: no commit between the
         # first check and the listening goes unnoticed.
@@ -299,13 +303,18 @@ class Client:
         if pending:
             with self.finish_signal() as signal:
                 while pending := self.unfinished(pending):
+                    if bar is not None:
+                        bar.reach(len(ids) - len(pending))
                     if deadline is not None and time.monotonic() >= deadline:
                         raise TimeoutError(f"{len(pending)} of {len(ids)} jobs still "
                                            f"unfinished after {timeout} s (first: {pending[0]})")
                     interval = signal.check_interval(check_interval)
                     signal.wait(interval if deadline is None else
                                 max(0.0, min(interval, deadline - time.monotonic())),
-                                jobs=len(pending))
+                                jobs=len(pending),
+                                announced=None if bar is None else bar.advance)
+        if bar is not None:
+            bar.reach(len(ids))
         records: dict[str, JobRecord] = {}
         for start in range(0, len(ids), _WAIT_CHUNK):
             records.update(self._store.get_many(ids[start:start + _WAIT_CHUNK]))

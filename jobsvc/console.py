@@ -1,5 +1,6 @@
 """What the command line shows: its own few lines, with library logging kept out of them unless
-asked for, and progress as one line that updates in place in a terminal."""
+asked for, and progress as one line that updates in place in a terminal (a status line, or a
+tqdm bar for a count toward a total)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from types import TracebackType
 from typing import TextIO
+
+from tqdm import tqdm
 
 # Alembic, Celery and vLLM talk at INFO about their own set-up; a command's output says what
 # happens in its own words and shows their warnings only.
@@ -67,6 +71,71 @@ class StatusLine:
         elif (final := text if text is not None else self._unwritten) is not None:
             self._write(f"{final}\n")
         self._last_written, self._unwritten, self._line_open = None, None, False
+
+    def _write(self, text: str) -> None:
+        self._stream.write(text)
+        self._stream.flush()
+
+
+class ProgressBar:
+    """Items finished toward a total, on standard error unless told otherwise: a tqdm bar
+    redrawn in place on a terminal; elsewhere a StatusLine, so a captured run gets a plain
+    line now and then instead of a stream of redraws."""
+
+    def __init__(self, total: int, description: str, *, unit: str = "job",
+                 stream: TextIO | None = None, every: float = PLAIN_LINE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream or sys.stderr
+        self._total = total
+        self._description = description
+        self._unit = unit
+        self.done = 0
+        self._bar: tqdm | None = None
+        self._line: StatusLine | None = None
+        if self._stream.isatty():
+            self._bar = tqdm(total=total, desc=description, unit=unit, file=self._stream,
+                             dynamic_ncols=True)
+        else:
+            self._line = StatusLine(self._stream, every=every, clock=clock)
+            self._line.update(self._plain())
+
+    def advance(self, count: float) -> None:
+        """Count `count` more finished (never past the total)."""
+        self.reach(min(self._total, self.done + count))
+
+    def reach(self, done: float) -> None:
+        """Set the count finished; a count known better than an earlier estimate may be lower."""
+        done = int(max(0, min(self._total, done)))
+        if done == self.done:
+            return
+        if self._bar is not None:
+            self._bar.update(done - self.done)
+        self.done = done
+        if self._line is not None:
+            self._line.update(self._plain())
+
+    def write(self, line: str) -> None:
+        """A line of text above the bar."""
+        if self._bar is not None:
+            self._bar.write(line, file=self._stream)
+        else:
+            self._write(f"{line}\n")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._line is not None:
+            self._line.finish(self._plain())
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _plain(self) -> str:
+        return f"{self._description}: {self.done} of {self._total} {self._unit}s"
 
     def _write(self, text: str) -> None:
         self._stream.write(text)

@@ -74,12 +74,8 @@ def run_demo(settings: Settings, *, documents: int, questions: int, words: int) 
             {"document": job.document, "question": job.question, "max_tokens": 16}
             for job in jobs)
         _say(f"submitted {len(ids)} jobs ({documents} documents x {questions} questions)")
-        while pending := client.pending(ids):
-            status.update(f"progress: {len(ids) - pending} of {len(ids)} jobs finished")
-            time.sleep(0.5)
-        records = client.wait(ids)
+        records = client.wait(ids, progress=True)
         elapsed = time.monotonic() - started
-        status.finish(f"progress: {len(ids)} of {len(ids)} jobs finished")
         _print_summary(settings, records, elapsed,
                        redis_stays=settings.redis_url == given_redis_url)
 

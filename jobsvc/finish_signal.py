@@ -14,6 +14,7 @@ import logging
 import math
 import select
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -92,18 +93,24 @@ class FinishSignal:
             return without_notifications
         return max(without_notifications, NOTIFIED_CHECK_SECONDS)
 
-    def _drain(self) -> None:
+    def _drain(self, announced: Callable[[float], None] | None) -> None:
         """Count every notification already received, without waiting (several commits may
         have landed at once: one check answers them all)."""
         for notification in self._listening.notifies(timeout=0):
-            self._finished += finished_count(notification.payload)
+            count = finished_count(notification.payload)
+            self._finished += count
             self.last_heard = time.time()
+            if announced is not None:
+                announced(count)
 
-    def wait(self, timeout: float, jobs: int = 1) -> float | None:
+    def wait(self, timeout: float, jobs: int = 1,
+             announced: Callable[[float], None] | None = None) -> float | None:
         """Block until notifications since the last return announce at least `jobs` finished
         jobs (those of other waiters count too: a check too early costs only itself), or
         `timeout` seconds pass. Every job among `jobs` that finishes after the waiter's last
-        check is announced after this signal's last return, so none can be missed."""
+        check is announced after this signal's last return, so none can be missed.
+        `announced` is told each notification's count as it arrives (a progress display's
+        estimate between checks)."""
         self._listen()
         if self._listening is None:
             time.sleep(min(timeout, self._pause))
@@ -114,13 +121,13 @@ class FinishSignal:
             # psycopg's own blocking wait for notifications wakes every 0.1 s to look for
             # interrupts; on a host whose cores the engine keeps busy each wakeup takes a core
             # from it. Blocking on the socket wakes only when something arrives.
-            self._drain()
+            self._drain(announced)
             while self._finished < jobs:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 select.select([self._listening.fileno()], [], [], remaining)
-                self._drain()
+                self._drain(announced)
         except (psycopg.Error, OSError) as error:
             log.warning("lost the connection listening for finished jobs (%s)", error)
             self.close()

@@ -14,6 +14,11 @@ def queue_name(shard: int) -> str:
     return f"{_QUEUE_PREFIX}{shard}"
 
 
+def shard_of_queue(key: bytes | str) -> int | None:
+    """The shard whose queue `key` is, or None for any other key."""
+    return _shard_after(_QUEUE_PREFIX, key)
+
+
 # kombu's Redis transport keeps unacknowledged messages in this hash (delivery tag -> message)
 # and this sorted set scored by delivery time; workers renew their leases by re-scoring them.
 UNACKED_KEY = "unacked"
@@ -50,3 +55,25 @@ ROUTING_LOCK_KEY = "jobsvc:routing-lock"
 
 def cache_key(shard: int) -> str:
     return f"{CACHE_KEY_PREFIX}{shard}"
+
+
+# Each shard's worker heartbeat: a JSON record it rewrites every few seconds, expiring long
+# after the worker counts as gone, so operators still see when it was last seen.
+_HEARTBEAT_PREFIX = "jobsvc:worker:"
+ALL_HEARTBEATS_PATTERN = f"{_HEARTBEAT_PREFIX}*"
+
+
+def heartbeat_key(shard: int) -> str:
+    return f"{_HEARTBEAT_PREFIX}{shard}"
+
+
+def shard_of_heartbeat(key: bytes | str) -> int | None:
+    """The shard whose heartbeat `key` is, or None for any other key."""
+    return _shard_after(_HEARTBEAT_PREFIX, key)
+
+
+def _shard_after(prefix: str, key: bytes | str) -> int | None:
+    """The shard number after `prefix` in a key as Redis returns it (bytes) or as named."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    suffix = text[len(prefix):] if text.startswith(prefix) else ""
+    return int(suffix) if suffix.isdigit() else None

@@ -98,6 +98,11 @@ class Settings:
     # Largest accepted queue message after decompression, in bytes.
     max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
+    # Each worker serves Prometheus metrics on this port plus its shard number; 0: none.
+    metrics_port: int = 9400
+    # The address workers serve them on: loopback, unless the scraper runs elsewhere (in
+    # docker-compose, the containers' own network).
+    metrics_address: str = "127.0.0.1"
     log_level: str = "INFO"
     # `jobsvc serve`: the bearer key every request must carry (empty: none asked), the largest
     # accepted upload, and the model name the OpenAI API shows and batch lines must name.
@@ -168,6 +173,9 @@ class Settings:
         if self.batch_lease_seconds < 3 or not self.served_model_name:
             raise ConfigurationError("JOBSVC_BATCH_LEASE_SECONDS must be >= 3 and "
                                      "JOBSVC_SERVED_MODEL_NAME not empty")
+        if not 0 <= self.metrics_port <= 65535 - self.shards:
+            raise ConfigurationError("JOBSVC_METRICS_PORT must be 0 (no worker metrics) or a "
+                                     "port that leaves room for one port per shard above it")
 
 
 def masked_url(url: str) -> str:

@@ -31,6 +31,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    inspect,
     literal,
     or_,
     select,
@@ -168,6 +169,7 @@ class ClaimedJob:
     question: tuple[int, ...] | str
     sampling: dict[str, Any]
     estimated_prefill: int
+    submitted_at: datetime
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,8 @@ def make_engine(database_url: str) -> Engine:
 
 
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+# The batch API's table (`jobsvc serve`), counted for operators once the schema has it.
+BATCHES_TABLE = "batches"
 _FINISHED = sorted(status.value for status in FINISHED_STATUSES)
 
 
@@ -365,7 +369,8 @@ class Store:
                        and_(Job.worker.is_(None), Job.status != JobStatus.RUNNING.value)))
             .values(worker=bindparam("worker"), attempts=Job.attempts + 1)
             .returning(Job.id, Job.attempts, Job.document_key, Job.question,
-                       Job.question_tokens_zst, Job.sampling, Job.estimated_prefill))
+                       Job.question_tokens_zst, Job.sampling, Job.estimated_prefill,
+                       Job.submitted_at))
         self._document_tokens = select(Document.key, Document.tokens_zst).where(
             self._among_listed(Document.key, "keys"))
         self._document_texts = select(Document.key, Document.text_zst).where(
@@ -482,7 +487,8 @@ class Store:
                         connection, [row.id for row in runnable if row.document_key == key],
                         f"its document {key} does not read back from the database "
                         "(neither its tokens nor its text); submit it again")
-        jobs = [ClaimedJob(row.id, document, _question(row), row.sampling, row.estimated_prefill)
+        jobs = [ClaimedJob(row.id, document, _question(row), row.sampling, row.estimated_prefill,
+                           row.submitted_at)
                 for row in runnable if (document := documents[row.document_key]) is not None]
         return Claim(jobs, _load_by_shard(ended))
 
@@ -549,6 +555,26 @@ class Store:
                  .group_by(Job.shard))
         with self._reads.connect() as connection:
             return _load_by_shard(connection.execute(query))
+
+    def active_counts(self) -> dict[int, dict[str, int]]:
+        """Queued and running jobs by shard and status, for operators: one GROUP BY over the
+        active entries of the status index, however many finished jobs the table holds."""
+        query = (select(Job.shard, Job.status, func.count()).where(Job.status.in_(_ACTIVE))
+                 .group_by(Job.shard, Job.status))
+        counts: dict[int, dict[str, int]] = {}
+        with self._reads.connect() as connection:
+            for shard, status, count in connection.execute(query):
+                counts.setdefault(shard, {})[status] = int(count)
+        return counts
+
+    def batch_counts(self) -> dict[str, int] | None:
+        """Batches of the batch API by status; None where the schema has no such table yet."""
+        if not inspect(self.engine).has_table(BATCHES_TABLE):
+            return None
+        with self._reads.connect() as connection:
+            rows = connection.execute(text(f"SELECT status, count(*) FROM {BATCHES_TABLE} "
+                                           "GROUP BY status"))
+            return {str(status): int(count) for status, count in rows}
 
     def forget_submitted(self, job_ids: Sequence[str]) -> None:
         """Remove jobs recorded by a submit whose enqueue then failed."""

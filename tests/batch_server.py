@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,14 +20,9 @@ import uvicorn
 from jobsvc.local import settings_environment
 from jobsvc.server.app import create_app
 from jobsvc.settings import Settings
+from tests.conftest import free_port
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def openai_client(base_url: str, api_key: str = API_KEY) -> openai.OpenAI:

@@ -4,6 +4,7 @@ real worker (Celery + vLLM CPU engine + tiny model) started once, because it tak
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -78,6 +79,13 @@ def recreate_database(name: str = TEST_DATABASE) -> str:
     return url
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture(scope="session")
 def settings() -> Settings:
     database_url = recreate_database()
@@ -89,7 +97,7 @@ def settings() -> Settings:
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
                              batch_size=32, admission_chunk=8, worker_concurrency=4,
                              log_level="INFO", max_message_bytes=16 << 20,
-                             worker_hooks=HOOKS_PATH)
+                             worker_hooks=HOOKS_PATH, metrics_port=free_port())
 
 
 @pytest.fixture(scope="session")

@@ -16,12 +16,14 @@ import httpx
 import openai
 import pytest
 from openai.types import Batch
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.lines import RequestLine
 from jobsvc.batchapi.rendering import ChatTemplate
 from jobsvc.client import Client
+from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers
 from jobsvc.prompts import PromptBuilder
 from jobsvc.runbatch import run_batch
@@ -362,3 +364,15 @@ def test_run_batch_writes_every_request_in_order_as_vllm_run_batch_does(
     assert written[1]["error"]["error"]["param"] == "n"
     assert written[0]["response"]["body"]["object"] == "chat.completion"
     assert f"{batch.id}: completed, 4/4 done" in progress.getvalue()
+
+
+def test_the_server_serves_the_fleets_metrics_behind_its_key(api_url: str) -> None:
+    root = api_url.removesuffix("/v1")
+    assert httpx.get(f"{root}/metrics").status_code == 401
+    scraped = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert scraped.status_code == 200
+    families = {family.name: family for family
+                in text_string_to_metric_families(scraped.text)}
+    queued = {sample.labels["queue"] for sample in families["jobsvc_queue_messages"].samples}
+    assert queue_name(0) in queued
+    assert {"jobsvc_jobs", "jobsvc_shard_outstanding_load", "jobsvc_batches"} <= set(families)

@@ -12,21 +12,9 @@ from pathlib import Path
 import pytest
 
 from jobsvc.console import StatusLine, configure_logging
+from tests.streams import Clock, Terminal
 
 pytestmark = pytest.mark.integration
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_progress_away_from_a_terminal_is_a_plain_line_now_and_then() -> None:

@@ -1,43 +1,46 @@
-"""`jobsvc flower` on the real broker beside the real worker: it starts without the virtual
+"""`jobsvc flower` on the real broker: beside the real worker it starts without the virtual
 environment on PATH, lists the worker and its shard queue, and gets the task events that the
-worker sends only once a monitor asks for them."""
+worker sends only once a monitor asks for them; started before any worker, its Broker page
+lists every configured and live shard queue with its length."""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
 from jobsvc import Client
+from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
 _DEADLINE_SECONDS = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture()
-def flower(settings: Settings, worker: LocalWorkers) -> Iterator[str]:
-    port = _free_port()
+@contextmanager
+def running_flower(settings: Settings, **environment: str) -> Iterator[str]:
+    """`jobsvc flower` on these settings; its URL."""
+    port = free_port()
     env = {**os.environ, **settings_environment(settings), "JOBSVC_FLOWER_PORT": str(port),
-           "FLOWER_UNAUTHENTICATED_API": "true", "PATH": "/usr/bin:/bin"}
+           "PATH": "/usr/bin:/bin", **environment}
     process = subprocess.Popen([sys.executable, "-m", "jobsvc", "flower"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -48,9 +51,33 @@ def flower(settings: Settings, worker: LocalWorkers) -> Iterator[str]:
         print(output.decode(errors="replace")[-3000:])
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
+@pytest.fixture()
+def flower(settings: Settings, worker: LocalWorkers) -> Iterator[str]:
+    with running_flower(settings, FLOWER_UNAUTHENTICATED_API="true") as url:
+        yield url
+
+
+def _get(url: str, credentials: str | None = None) -> Any:
+    return json.loads(_read(url, credentials))
+
+
+def _read(url: str, credentials: str | None = None) -> str:
+    request = urllib.request.Request(url)
+    if credentials is not None:
+        request.add_header("Authorization",
+                           "Basic " + base64.b64encode(credentials.encode()).decode())
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read().decode()
+
+
+_QUEUE_ROW = re.compile(r'<tr id="[^"]*">\s*<td>([^<]*)</td>\s*<td[^>]*>([^<]*)</td>')
+
+
+def broker_page_queues(flower: str, credentials: str) -> dict[str, int]:
+    """The queues Flower's Broker page lists, with the messages it shows for each."""
+    page = _read(f"{flower}/broker", credentials)
+    return {html.unescape(name): int(messages)
+            for name, messages in _QUEUE_ROW.findall(page)}
 
 
 def _until(what: str, check: Any) -> Any:
@@ -73,10 +100,11 @@ def test_flower_lists_the_worker_its_shard_queue_and_the_batches_it_ran(
     # default queue until the worker's queues have come in.
     workers = _until("the worker's queues", lambda: {
         name: info for name, info in _get(f"{flower}/api/workers").items()
-        if info.get("active_queues")})
-    assert any(name.startswith("shard0@") for name in workers)
+        if name.startswith("shard0@") and info.get("active_queues")})
+    assert [queue["name"] for queue in next(iter(workers.values()))["active_queues"]] == [
+        queue_name(0)]
     queues = _get(f"{flower}/api/queues/length")["active_queues"]
-    assert [queue["name"] for queue in queues] == [queue_name(0)]
+    assert queue_name(0) in [queue["name"] for queue in queues]
 
     def batch_events() -> list[dict[str, Any]]:
         # Flower turns the worker's events on at its start and every few seconds after; a
@@ -90,3 +118,48 @@ def test_flower_lists_the_worker_its_shard_queue_and_the_batches_it_ran(
 
     succeeded = _until("a succeeded batch", batch_events)
     assert "'jobs': 1" in succeeded[0]["result"]
+
+
+def test_flower_started_before_any_worker_lists_every_shard_queue_with_its_length(
+        routing_settings: Settings) -> None:
+    """On a broker no worker consumes: the configured shards' queues, some with messages
+    waiting, and a shard beyond the configured ones that is live by its heartbeat."""
+    broker = redis.Redis.from_url(routing_settings.redis_url)
+    beyond = routing_settings.shards + 1
+    write_heartbeat(broker, Heartbeat(beyond, f"shard{beyond}@elsewhere", "elsewhere", 7, 1.0,
+                                      False, 0, None, None))
+    credentials = "operator:secret"
+    with Client(settings=routing_settings) as client, \
+            running_flower(routing_settings, FLOWER_BASIC_AUTH=credentials) as flower:
+        ids = client.submit_many({"document": f"Report {number}: the pier holds {number} "
+                                              "cats. " * 30, "question": "How many cats?",
+                                  "max_tokens": 2} for number in range(12))
+        shards = {client.get(job_id).shard for job_id in ids}
+        expected = {queue_name(shard): broker.llen(queue_name(shard))
+                    for shard in [*range(routing_settings.shards), beyond]}
+        assert all(expected[queue_name(shard)] > 0 for shard in shards)
+        # Until its first look at the workers, Flower lists its app's default queue alone.
+        _until("every shard queue",
+               lambda: broker_page_queues(flower, credentials) == expected)
+        assert _get(f"{flower}/api/queues/length", credentials)["active_queues"] == [
+            {"name": name, "messages": messages} for name, messages in sorted(expected.items())]
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            _read(f"{flower}/broker")
+        # A shard that comes alive later shows from Flower's next look at the workers.
+        later = beyond + 1
+        write_heartbeat(broker, Heartbeat(later, f"shard{later}@elsewhere", "elsewhere", 8,
+                                          1.0, False, 0, None, None))
+        _get(f"{flower}/api/workers?refresh=1", credentials)
+        assert broker_page_queues(flower, credentials)[queue_name(later)] == 0
+        for job_id in ids:
+            client.cancel(job_id)
+
+
+def test_flower_names_a_live_shard_even_when_its_settings_name_fewer(
+        routing_settings: Settings) -> None:
+    few = replace(routing_settings, shards=1)
+    broker = redis.Redis.from_url(few.redis_url)
+    broker.rpush(queue_name(5), b"waiting")
+    with running_flower(few, FLOWER_BASIC_AUTH="a:b") as flower:
+        _until("the live shard", lambda: broker_page_queues(flower, "a:b") == {
+            queue_name(0): 0, queue_name(5): 1})

@@ -18,7 +18,7 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
-from workers.hooks import WorkerHooks
+from workers.hooks import FinishedBatch, WorkerHooks
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class BatchRunner:
         completion.wait()
         if results:
             self._recorder.batch_finished(self._batch_stats(started, results))
+            self._hooks.on_jobs_finished(FinishedBatch(self.shard, started, jobs, results))
         self._hooks.on_batch_end(len(requests), started)
         return {"jobs": len(requests), "skipped": len(message.job_ids) - len(requests)}
 

@@ -26,8 +26,10 @@ from workers import broker_fixes
 from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
 from workers.engine import EngineAdapter, Pacing, engine_args
-from workers.hooks import WorkerContext, WorkerHooks, load_hooks
+from workers.heartbeat import BatchActivity, HeartbeatKeeper
+from workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
 from workers.leases import LeaseKeeper
+from workers.metrics import WorkerMetrics, serve_metrics
 from workers.recorder import ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ EXIT_ENGINE_DEAD = 70
 
 class WorkerRuntime:
     """Everything a worker holds for its lifetime: engine, store, recorder, leases, the
-    cancel listener and the reconciler that sends stranded jobs again."""
+    cancel listener, the reconciler that sends stranded jobs again, and its heartbeat."""
 
     def __init__(self, settings: Settings, shard: int, hooks: WorkerHooks) -> None:
         self.settings = settings
@@ -61,6 +63,9 @@ class WorkerRuntime:
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
         self._reconciler = Reconciler(settings, self._redis, self._store, make_celery(settings))
+        self.activity = BatchActivity()
+        self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, worker_name(shard),
+                                          self.activity)
         self._stopped = threading.Event()
         self._background = [
             threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
@@ -70,7 +75,9 @@ class WorkerRuntime:
         ]
 
     def start(self) -> None:
+        self._heartbeat.start(metrics_port=serve_metrics(self.settings, self.shard))
         self.engine.start()
+        self._heartbeat.engine_started()
         # A fresh engine holds nothing: the router forgets its estimate for this shard.
         self._feedback.engine_started(self.shard, self.engine.cache_blocks)
         self._recorder.start()
@@ -84,6 +91,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._heartbeat.stop()
         self.hooks.on_stop()
         self.leases.stop()
         self._recorder.stop()
@@ -142,7 +150,10 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         # result writes make a later redelivery harmless.
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
-    runtime = WorkerRuntime(settings, shard, load_hooks(settings.worker_hooks))
+    hooks = load_hooks(settings.worker_hooks)
+    if settings.metrics_port:
+        hooks = HookChain([WorkerMetrics(shard), hooks])
+    runtime = WorkerRuntime(settings, shard, hooks)
 
     @app.task(name=RUN_BATCH_TASK, ignore_result=True, bind=True)
     def run_batch(task: Any, payload: Any) -> dict[str, int]:
@@ -151,7 +162,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         request = task.request
         tag = (request.properties or {}).get("delivery_tag")
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        with runtime.collections.busy():
+        with runtime.collections.busy(), runtime.activity.running():
             if tag is None:
                 return runtime.runner.run(payload, request.id, redelivered)
             runtime.leases.hold(tag)

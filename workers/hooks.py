@@ -1,8 +1,9 @@
 """Where instruments attach to a worker: a call when the worker is ready and when it stops, and
-one at each step of a batch's life (claimed, admitted to the engine, finished). A worker calls
-the no-op `WorkerHooks` unless `JOBSVC_WORKER_HOOKS` names a factory of other hooks, imported
-at start-up; so the product carries no instrument, and a benchmark or a probe attaches from a
-package of its own."""
+one at each step of a batch's life (claimed, admitted to the engine, its jobs ended, finished).
+A worker calls the no-op `WorkerHooks` unless `JOBSVC_WORKER_HOOKS` names a factory of other
+hooks, imported at start-up; so the product carries no instrument, and a benchmark or a probe
+attaches from a package of its own. The worker's own metrics attach the same way, chained
+before those."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.prompts import PromptBuilder
+from jobsvc.store import ClaimedJob
 from workers.collector import CollectionWindow
-from workers.engine import EngineAdapter
+from workers.engine import EngineAdapter, EngineResult
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,17 @@ class WorkerContext:
     engine: EngineAdapter
     prompts: PromptBuilder
     collections: CollectionWindow
+
+
+@dataclass(frozen=True)
+class FinishedBatch:
+    """A batch whose results are all committed: the jobs it ran, as claimed, and how each
+    ended in the engine (in the order they ended)."""
+
+    shard: int
+    admitted_at: float
+    jobs: Sequence[ClaimedJob]
+    results: Sequence[EngineResult]
 
 
 class WorkerHooks:
@@ -49,8 +62,43 @@ class WorkerHooks:
         """Every result of the batch admitted at `admitted_at` is committed; its message is
         acknowledged next."""
 
+    def on_jobs_finished(self, batch: FinishedBatch) -> None:
+        """The batch's jobs ended and their results are committed (called before
+        `on_batch_end`, for batches that ran any job)."""
+
     def on_stop(self) -> None:
         """The worker shuts down."""
+
+
+class HookChain(WorkerHooks):
+    """Several hooks, each called in turn at every point."""
+
+    def __init__(self, hooks: Sequence[WorkerHooks]) -> None:
+        self._hooks = tuple(hooks)
+
+    def on_start(self, worker: WorkerContext) -> None:
+        for hooks in self._hooks:
+            hooks.on_start(worker)
+
+    def on_claim(self, job_ids: Sequence[str]) -> None:
+        for hooks in self._hooks:
+            hooks.on_claim(job_ids)
+
+    def on_admit(self, jobs: int, admitted_at: float) -> None:
+        for hooks in self._hooks:
+            hooks.on_admit(jobs, admitted_at)
+
+    def on_jobs_finished(self, batch: FinishedBatch) -> None:
+        for hooks in self._hooks:
+            hooks.on_jobs_finished(batch)
+
+    def on_batch_end(self, jobs: int, admitted_at: float) -> None:
+        for hooks in self._hooks:
+            hooks.on_batch_end(jobs, admitted_at)
+
+    def on_stop(self) -> None:
+        for hooks in self._hooks:
+            hooks.on_stop()
 
 
 def load_hooks(path: str) -> WorkerHooks:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
+from jobsvc.metrics import exposition
 from jobsvc.server import batches, files
 from jobsvc.server.auth import bearer_key_check
 from jobsvc.server.errors import install_error_handlers
@@ -28,6 +29,13 @@ def list_models(request: Request) -> ModelList:
 @_meta.get("/health")
 def health() -> Health:
     return Health()
+
+
+@_meta.get("/metrics")
+def metrics(request: Request) -> Response:
+    """Prometheus's text format; behind the API key like every route."""
+    body, content_type = exposition(services_of(request).metrics)
+    return Response(body, media_type=content_type)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import redis
 from fastapi import Request
+from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from jobsvc.batchapi.batchstore import BatchStore
@@ -15,9 +17,11 @@ from jobsvc.batchapi.filestore import FileStore
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.rendering import ChatTemplate
 from jobsvc.client import Client
+from jobsvc.fleet import FleetReader
+from jobsvc.metrics import fleet_registry
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
-from jobsvc.store import make_engine
+from jobsvc.store import Store, make_engine
 
 
 @dataclass
@@ -28,6 +32,9 @@ class Services:
     files: FileStore
     batches: BatchStore
     ingestor: Ingestor
+    # The fleet's metrics (every shard's queue, unfinished jobs and load; batches by status),
+    # read at each scrape of /metrics.
+    metrics: CollectorRegistry
     driver: BatchDriver | None = None
     # When this server started: the `created` time of the model it serves.
     started: int = field(default_factory=lambda: int(time.time()))
@@ -40,7 +47,10 @@ class Services:
                             ChatTemplate(settings.model),
                             served_model=settings.served_model_name,
                             max_stop_chars=settings.max_stop_chars)
-        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), ingestor)
+        fleet = FleetReader(settings, redis.Redis.from_url(settings.redis_url),
+                            Store(settings.resolved_database_url))
+        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), ingestor,
+                   fleet_registry(fleet.read))
 
     def new_driver(self, only: str | None = None) -> BatchDriver:
         return BatchDriver(self.settings, self.client, self.ingestor, self.engine, only=only)

@@ -1,0 +1,95 @@
+"""The fleet as an operator sees it: for every shard worth listing, its queue, its unfinished
+jobs, its outstanding load and its worker's last heartbeat. `jobsvc status`, the server's
+/metrics and Flower's queue list read it from here.
+
+A shard is listed when the settings name it or when it is live: a heartbeat is kept for it,
+messages wait in its queue, or the store holds unfinished jobs for it. Producers or workers
+configured with more shards than this process show up that way too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+
+from jobsvc.health import SeenWorker, read_heartbeats
+from jobsvc.keys import ALL_QUEUES_PATTERN, queue_name, shard_of_queue
+from jobsvc.routing.state import ShardState
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from jobsvc.store import Store
+
+# The job statuses counted per shard: the unfinished ones.
+ACTIVE_STATUSES = tuple(status.value for status in JobStatus if not status.finished)
+
+
+@dataclass(frozen=True)
+class ShardView:
+    shard: int
+    # The settings of the process that looked name this shard.
+    configured: bool
+    # Messages waiting in the shard's queue (delivered, unacknowledged ones not counted).
+    queue_messages: int
+    # Unfinished jobs by status, every one of ACTIVE_STATUSES present.
+    jobs: dict[str, int]
+    # What the router counts the shard as still owing; None where the value is unreadable.
+    outstanding_load: int | None
+    worker: SeenWorker | None
+
+    @property
+    def has_work(self) -> bool:
+        return self.queue_messages > 0 or any(self.jobs.values())
+
+
+@dataclass(frozen=True)
+class Fleet:
+    shards: list[ShardView]
+    # Batches of the batch API by status; None where the store has no batch table.
+    batches: dict[str, int] | None
+
+
+def queued_shards(client: redis.Redis) -> set[int]:
+    """Shards whose queue holds messages (Redis keeps no empty list)."""
+    return {shard for key in client.scan_iter(match=ALL_QUEUES_PATTERN, count=1000)
+            if (shard := shard_of_queue(key)) is not None}
+
+
+def live_shards(client: redis.Redis) -> set[int]:
+    """Shards live by Redis alone: a heartbeat kept, or messages waiting."""
+    return queued_shards(client) | set(read_heartbeats(client))
+
+
+def listed_shards(configured: int, *live: Iterable[int]) -> list[int]:
+    """The configured shards and every live one, in order."""
+    return sorted(set(range(configured)).union(*live))
+
+
+class FleetReader:
+    """Reads the fleet in a few round trips: two key scans and a pipeline in Redis, one
+    GROUP BY in the store (plus one for batches, where that table exists)."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store) -> None:
+        self._configured = settings.shards
+        self._redis = client
+        self._store = store
+        self._loads = ShardState(client, settings.shards)
+
+    def read(self, only: int | None = None) -> Fleet:
+        """Every listed shard, or shard `only` alone (listed or not)."""
+        workers = read_heartbeats(self._redis)
+        active = self._store.active_counts()
+        shards = ([only] if only is not None else
+                  listed_shards(self._configured, workers, active, queued_shards(self._redis)))
+        with self._redis.pipeline(transaction=False) as pipe:
+            for shard in shards:
+                pipe.llen(queue_name(shard))
+            lengths = pipe.execute()
+        loads = self._loads.loads()
+        return Fleet(
+            shards=[ShardView(
+                shard=shard, configured=shard < self._configured, queue_messages=int(length),
+                jobs={status: active.get(shard, {}).get(status, 0) for status in ACTIVE_STATUSES},
+                outstanding_load=loads.get(shard, 0), worker=workers.get(shard))
+                for shard, length in zip(shards, lengths, strict=True)],
+            batches=self._store.batch_counts())

@@ -1,0 +1,116 @@
+"""Worker heartbeats: what a worker says about itself every few seconds, and how operators read
+it back. A heartbeat is a small versioned JSON record under the shard's key in Redis. Each
+write sets the key to expire after KEEP_SECONDS, so a reader learns how long ago the last one
+came from the key's remaining lifetime, on the Redis server's clock: no two hosts' clocks are
+ever compared."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+
+import redis
+
+from jobsvc.keys import ALL_HEARTBEATS_PATTERN, heartbeat_key, shard_of_heartbeat
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_VERSION = 1
+# How often a worker writes its heartbeat.
+HEARTBEAT_SECONDS = 5.0
+# A worker whose last heartbeat is older than this (three missed) counts as gone.
+ALIVE_SECONDS = 3 * HEARTBEAT_SECONDS
+# How long a heartbeat stays readable after its worker stopped writing: an hour of "last
+# seen", after which the shard is no longer live unless its queue or its jobs say so.
+KEEP_SECONDS = 3600
+
+
+class HeartbeatError(ValueError):
+    """A heartbeat record that is not one this version writes."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One worker's state as it last reported it. Durations are measured by the worker up to
+    the moment it wrote the record."""
+
+    shard: int
+    worker: str
+    host: str
+    pid: int
+    # Seconds since the worker began to start its engine.
+    up_s: float
+    engine_ready: bool
+    batches_in_flight: int
+    # Seconds between the end of the worker's last batch and this record; None before one.
+    last_batch_finished_s: float | None
+    # Where the worker serves /metrics; None when it serves none.
+    metrics_port: int | None
+    # The worker shut down (warm shutdown); its last record says so.
+    stopped: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"v": HEARTBEAT_VERSION, **asdict(self)}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Heartbeat:
+        try:
+            record = json.loads(raw)
+        except ValueError as error:
+            raise HeartbeatError(f"not JSON ({error})") from None
+        if not isinstance(record, dict) or record.get("v") != HEARTBEAT_VERSION:
+            raise HeartbeatError(f"not a version {HEARTBEAT_VERSION} heartbeat")
+        names = {field.name for field in fields(cls)}
+        try:
+            return cls(**{name: value for name, value in record.items() if name in names})
+        except TypeError as error:
+            raise HeartbeatError(str(error)) from None
+
+
+@dataclass(frozen=True)
+class SeenWorker:
+    """A heartbeat and how long ago it was written."""
+
+    heartbeat: Heartbeat
+    age_s: float
+
+    @property
+    def alive(self) -> bool:
+        return not self.heartbeat.stopped and self.age_s <= ALIVE_SECONDS
+
+    @property
+    def healthy(self) -> bool:
+        """Alive with its engine ready: it takes work now."""
+        return self.alive and self.heartbeat.engine_ready
+
+
+def write_heartbeat(client: redis.Redis, heartbeat: Heartbeat) -> None:
+    client.set(heartbeat_key(heartbeat.shard), heartbeat.to_json(), ex=KEEP_SECONDS)
+
+
+def read_heartbeats(client: redis.Redis) -> dict[int, SeenWorker]:
+    """Every shard's latest heartbeat still kept, by shard. An unreadable record is logged and
+    left out."""
+    shards = sorted(shard for key in client.scan_iter(match=ALL_HEARTBEATS_PATTERN, count=1000)
+                    if (shard := shard_of_heartbeat(key)) is not None)
+    with client.pipeline(transaction=False) as pipe:
+        for shard in shards:
+            pipe.get(heartbeat_key(shard))
+            pipe.pttl(heartbeat_key(shard))
+        replies = pipe.execute()
+    seen: dict[int, SeenWorker] = {}
+    for shard, raw, remaining_ms in zip(shards, replies[::2], replies[1::2], strict=True):
+        if raw is None or remaining_ms < 0:
+            continue  # expired between the scan and the read
+        try:
+            heartbeat = Heartbeat.from_json(raw)
+        except HeartbeatError as error:
+            log.warning("ignoring the heartbeat of shard %d: %s", shard, error)
+            continue
+        if heartbeat.shard != shard:
+            log.warning("ignoring the heartbeat under shard %d's key: it names shard %d",
+                        shard, heartbeat.shard)
+            continue
+        seen[shard] = SeenWorker(heartbeat, max(0.0, KEEP_SECONDS - remaining_ms / 1000))
+    return seen

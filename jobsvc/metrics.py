@@ -1,0 +1,73 @@
+"""The fleet's metrics for Prometheus, as the server's /metrics serves them: read at each scrape
+(a collector, not counters kept up to date), so they hold for every listed shard whether or
+not its worker is up. Each worker serves its own engine's and batches' metrics
+(`workers.metrics`).
+
+Families: `jobsvc_queue_messages{queue,shard}`, `jobsvc_jobs{status,shard}` (queued and
+running), `jobsvc_shard_outstanding_load{shard}`, `jobsvc_worker_healthy{shard}` and, where the
+store has the batch API's table, `jobsvc_batches{status}`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from jobsvc.fleet import Fleet
+from jobsvc.keys import queue_name
+
+
+def fleet_families(fleet: Fleet) -> list[Metric]:
+    queues = GaugeMetricFamily("jobsvc_queue_messages",
+                               "Messages waiting in the shard's queue (micro-batches of jobs)",
+                               labels=["queue", "shard"])
+    jobs = GaugeMetricFamily("jobsvc_jobs", "Unfinished jobs by status",
+                             labels=["status", "shard"])
+    loads = GaugeMetricFamily("jobsvc_shard_outstanding_load",
+                              "Work the router counts the shard as owing, in prefill tokens",
+                              labels=["shard"])
+    healthy = GaugeMetricFamily("jobsvc_worker_healthy",
+                                "1 if the shard's worker sent a heartbeat lately and its engine "
+                                "is ready, else 0", labels=["shard"])
+    for view in fleet.shards:
+        shard = str(view.shard)
+        queues.add_metric([queue_name(view.shard), shard], view.queue_messages)
+        for status, count in view.jobs.items():
+            jobs.add_metric([status, shard], count)
+        if view.outstanding_load is not None:
+            loads.add_metric([shard], view.outstanding_load)
+        healthy.add_metric([shard], int(view.worker is not None and view.worker.healthy))
+    families: list[Metric] = [queues, jobs, loads, healthy]
+    if fleet.batches is not None:
+        batches = GaugeMetricFamily("jobsvc_batches", "Batches of the batch API by status",
+                                    labels=["status"])
+        for status, count in sorted(fleet.batches.items()):
+            batches.add_metric([status], count)
+        families.append(batches)
+    return families
+
+
+class FleetCollector(Collector):
+    """Reads the fleet at each scrape; a read that fails fails the scrape (Prometheus then
+    records the target down) rather than serving stale numbers."""
+
+    def __init__(self, read_fleet: Callable[[], Fleet]) -> None:
+        self._read_fleet = read_fleet
+
+    def collect(self) -> Iterator[Metric]:
+        yield from fleet_families(self._read_fleet())
+
+
+def fleet_registry(read_fleet: Callable[[], Fleet]) -> CollectorRegistry:
+    """A registry of the fleet's metrics alone (e.g. `FleetReader(...).read`); it reads
+    nothing until scraped."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(read_fleet))
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in Prometheus's text format, and the content type to serve it with."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST

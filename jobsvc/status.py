@@ -1,0 +1,97 @@
+"""`jobsvc status`: per shard, its queue, its unfinished jobs and its worker, as text or JSON,
+with an exit code a health check can use.
+
+The exit code is 0 when every listed shard that has work (messages waiting or unfinished jobs)
+has a healthy worker (alive, its engine ready), and 1 otherwise. Asked about one shard
+(`--shard N`, what a worker's health check runs), that shard's worker must be healthy whether
+or not work waits for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobsvc.fleet import Fleet, ShardView
+from jobsvc.health import SeenWorker
+
+EXIT_HEALTHY = 0
+EXIT_UNHEALTHY = 1
+
+
+def needs_attention(view: ShardView, *, named: bool) -> bool:
+    """A shard whose work no healthy worker takes; a shard named on its own needs a healthy
+    worker even when idle."""
+    healthy = view.worker is not None and view.worker.healthy
+    return not healthy and (named or view.has_work)
+
+
+def exit_code(fleet: Fleet, *, named: bool = False) -> int:
+    if any(needs_attention(view, named=named) for view in fleet.shards):
+        return EXIT_UNHEALTHY
+    return EXIT_HEALTHY
+
+
+def worker_report(seen: SeenWorker | None) -> dict[str, Any]:
+    if seen is None:
+        return {"alive": False, "last_seen_s": None}
+    beat = seen.heartbeat
+    last_batch = beat.last_batch_finished_s
+    return {
+        "alive": seen.alive, "healthy": seen.healthy, "name": beat.worker, "host": beat.host,
+        "pid": beat.pid, "last_seen_s": round(seen.age_s, 1), "up_s": round(beat.up_s, 1),
+        "engine_ready": beat.engine_ready, "batches_in_flight": beat.batches_in_flight,
+        "last_batch_finished_s": None if last_batch is None else round(last_batch + seen.age_s, 1),
+        "metrics_port": beat.metrics_port, "stopped": beat.stopped,
+    }
+
+
+def status_report(fleet: Fleet, *, named: bool = False) -> dict[str, Any]:
+    """What `jobsvc status --json` prints."""
+    report: dict[str, Any] = {"shards": [{
+        "shard": view.shard, "configured": view.configured,
+        "queue_messages": view.queue_messages, "jobs": dict(view.jobs),
+        "outstanding_load": view.outstanding_load, "worker": worker_report(view.worker),
+        "needs_attention": needs_attention(view, named=named),
+    } for view in fleet.shards]}
+    if fleet.batches is not None:
+        report["batches"] = dict(fleet.batches)
+    return report
+
+
+_COLUMNS = ("shard", "queue", "queued", "running", "load", "worker")
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """A table of the report, one row per shard, and a last line that says what is wrong."""
+    rows = [_COLUMNS] + [(
+        str(shard["shard"]) + ("" if shard["configured"] else "*"),
+        str(shard["queue_messages"]), str(shard["jobs"]["queued"]),
+        str(shard["jobs"]["running"]),
+        "?" if shard["outstanding_load"] is None else str(shard["outstanding_load"]),
+        _describe_worker(shard["worker"])) for shard in report["shards"]]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(_COLUMNS) - 1)]
+    lines = ["  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)),
+                        row[-1]]).rstrip() for row in rows]
+    if any(not shard["configured"] for shard in report["shards"]):
+        lines.append("* live, though these settings do not name it (JOBSVC_SHARDS)")
+    if "batches" in report:
+        lines.append("batches: " + (", ".join(f"{status} {count}" for status, count
+                                             in sorted(report["batches"].items())) or "none"))
+    attention = [str(shard["shard"]) for shard in report["shards"] if shard["needs_attention"]]
+    lines.append(f"needs attention: shard {', '.join(attention)} (work waits, no healthy "
+                 "worker)" if attention else "ok: every shard with work has a healthy worker")
+    return "\n".join(lines)
+
+
+def _describe_worker(worker: dict[str, Any]) -> str:
+    if worker["last_seen_s"] is None:
+        return "none seen"
+    seen = f"seen {worker['last_seen_s']:.0f} s ago"
+    if worker["stopped"]:
+        return f"stopped ({worker['name']}, {seen})"
+    if not worker["alive"]:
+        return f"gone ({worker['name']}, {seen})"
+    state = "engine ready" if worker["engine_ready"] else "engine starting"
+    last = worker["last_batch_finished_s"]
+    return (f"alive {worker['name']} pid {worker['pid']}, {state}, "
+            f"{worker['batches_in_flight']} batches in flight, last batch "
+            + ("none" if last is None else f"{last:.0f} s ago") + f", {seen}")

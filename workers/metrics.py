@@ -1,0 +1,117 @@
+"""A worker's metrics for Prometheus, served on 127.0.0.1 (`JOBSVC_METRICS_ADDRESS`), port
+`JOBSVC_METRICS_PORT` + its shard: vLLM's own engine metrics (`vllm:*`; the engine registers
+them in the process's default registry because the worker runs it with stats on) beside the
+worker's counts of the jobs it ran.
+
+They are updated once per batch, after its results are committed, through the worker's hooks:
+nothing per token, a few additions and two histogram observations per job."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from jobsvc.schema import JobStatus
+from jobsvc.settings import Settings
+from workers.hooks import FinishedBatch, WorkerHooks
+
+log = logging.getLogger(__name__)
+
+# Seconds: from a fraction of a second on an idle worker to an hour behind a backlog.
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def metrics_port(settings: Settings, shard: int) -> int | None:
+    """The port shard `shard`'s worker serves /metrics on; None when metrics are off."""
+    return settings.metrics_port + shard if settings.metrics_port else None
+
+
+def serve_metrics(settings: Settings, shard: int,
+                  registry: CollectorRegistry = prometheus_client.REGISTRY) -> int | None:
+    """Serve the registry over HTTP from a daemon thread; the port, or None when metrics are
+    off or the port is taken (the worker runs on without them, and its heartbeat says so)."""
+    port = metrics_port(settings, shard)
+    if port is None:
+        return None
+    try:
+        prometheus_client.start_http_server(port, addr=settings.metrics_address,
+                                            registry=registry)
+    except OSError as error:
+        log.error("shard %d serves no metrics: cannot listen on %s:%d (%s); free the port or "
+                  "set JOBSVC_METRICS_PORT", shard, settings.metrics_address, port, error)
+        return None
+    log.info("shard %d serves metrics at http://%s:%d/metrics", shard,
+             settings.metrics_address, port)
+    return port
+
+
+class WorkerMetrics(WorkerHooks):
+    """The worker's own metrics, labelled with its shard."""
+
+    def __init__(self, shard: int,
+                 registry: CollectorRegistry = prometheus_client.REGISTRY) -> None:
+        self._shard = str(shard)
+        labels = ["shard"]
+        finished = Counter("jobsvc_jobs_finished", "Jobs this worker ran to their end",
+                           ["shard", "status"], registry=registry)
+        self._succeeded = finished.labels(self._shard, JobStatus.SUCCEEDED.value)
+        self._failed = finished.labels(self._shard, JobStatus.FAILED.value)
+        tokens = {name: Counter(f"jobsvc_{name}_tokens", help_text, labels, registry=registry)
+                  for name, help_text in (
+                      ("prompt", "Prompt tokens of succeeded jobs"),
+                      ("cached", "Prompt tokens of succeeded jobs found in the prefix cache"),
+                      ("completion", "Tokens generated for succeeded jobs"),
+                      ("estimated_prefill", "Prompt tokens the router expected succeeded "
+                                            "jobs to compute (not found cached)"),
+                      ("actual_prefill", "Prompt tokens succeeded jobs computed (not found "
+                                         "cached)"))}
+        self._prompt, self._cached, self._completion = (
+            tokens["prompt"].labels(self._shard), tokens["cached"].labels(self._shard),
+            tokens["completion"].labels(self._shard))
+        self._estimated_prefill, self._actual_prefill = (
+            tokens["estimated_prefill"].labels(self._shard),
+            tokens["actual_prefill"].labels(self._shard))
+        self._batch_seconds = Histogram(
+            "jobsvc_batch_duration_seconds", "From a micro-batch's admission to the engine "
+            "to its last job's end", labels, buckets=_LATENCY_BUCKETS,
+            registry=registry).labels(self._shard)
+        self._batch_jobs = Histogram(
+            "jobsvc_batch_jobs", "Jobs per micro-batch run", labels,
+            buckets=_BATCH_SIZE_BUCKETS, registry=registry).labels(self._shard)
+        self._queue_wait = Histogram(
+            "jobsvc_queue_wait_seconds", "From a job's submit to its admission to the engine",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
+        self._submit_to_result = Histogram(
+            "jobsvc_submit_to_result_seconds", "From a job's submit to the engine's end of it "
+            "(its result is committed within about a second)", labels,
+            buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
+
+    def on_jobs_finished(self, batch: FinishedBatch) -> None:
+        submitted = {job.job_id: _epoch(job.submitted_at) for job in batch.jobs}
+        estimated = {job.job_id: job.estimated_prefill for job in batch.jobs}
+        succeeded = [result for result in batch.results if result.error is None]
+        self._succeeded.inc(len(succeeded))
+        self._failed.inc(len(batch.results) - len(succeeded))
+        prompt = sum(result.prompt_tokens for result in succeeded)
+        cached = sum(result.cached_tokens for result in succeeded)
+        self._prompt.inc(prompt)
+        self._cached.inc(cached)
+        self._completion.inc(sum(result.completion_tokens for result in succeeded))
+        self._estimated_prefill.inc(sum(estimated[result.job_id] for result in succeeded))
+        self._actual_prefill.inc(prompt - cached)
+        self._batch_jobs.observe(len(batch.results))
+        self._batch_seconds.observe(
+            max(0.0, max(result.finished_at for result in batch.results) - batch.admitted_at))
+        for result in batch.results:
+            submitted_at = submitted[result.job_id]
+            self._queue_wait.observe(max(0.0, batch.admitted_at - submitted_at))
+            self._submit_to_result.observe(max(0.0, result.finished_at - submitted_at))
+
+
+def _epoch(moment: datetime) -> float:
+    """Seconds since the epoch; a naive time (SQLite keeps no zone) is UTC, as written."""
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()

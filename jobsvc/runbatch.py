@@ -17,13 +17,12 @@ from jobsvc.batchapi.driver import BatchDriver, file_line
 from jobsvc.batchapi.filestore import CHUNK_BYTES
 from jobsvc.batchapi.lines import ENDPOINTS, split_lines
 from jobsvc.batchapi.responses import jsonl
+from jobsvc.console import ProgressBar
 from jobsvc.errors import JobsvcError
 from jobsvc.server.services import Services
 from jobsvc.settings import Settings
 
 _FINAL = ("completed", "failed", "expired", "cancelled")
-# Without a terminal, a progress line this often.
-_PLAIN_PROGRESS_SECONDS = 5.0
 _ROUND_SECONDS = 0.5
 _PAGE = 2000
 
@@ -66,29 +65,17 @@ def to_vllm_line(line: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Progress:
-    """tqdm on a terminal; elsewhere a plain line every few seconds."""
+    """The batch's requests finished, as a ProgressBar once the batch knows its total."""
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
-        self._bar: Any = None
-        self._last_line = 0.0
+        self._bar: ProgressBar | None = None
 
     def show(self, batch: BatchRecord) -> None:
-        done = batch.completed + batch.failed
-        if self._stream.isatty():
-            if self._bar is None and batch.total:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=batch.total, file=self._stream, unit="req")
-            if self._bar is not None:
-                self._bar.n = done
-                self._bar.set_postfix_str(f"{batch.status}, {batch.failed} failed")
-            return
-        if time.monotonic() - self._last_line >= _PLAIN_PROGRESS_SECONDS or (
-                batch.status in _FINAL):
-            self._last_line = time.monotonic()
-            print(f"{batch.id}: {batch.status}, {done}/{batch.total} done, {batch.failed} "
-                  "failed", file=self._stream, flush=True)
+        if self._bar is None and batch.total:
+            self._bar = ProgressBar(batch.total, "requests", unit="req", stream=self._stream)
+        if self._bar is not None:
+            self._bar.reach(batch.completed + batch.failed)
 
     def close(self) -> None:
         if self._bar is not None:

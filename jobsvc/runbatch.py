@@ -73,7 +73,7 @@ class _Progress:
 
     def show(self, batch: BatchRecord) -> None:
         if self._bar is None and batch.total:
-            self._bar = ProgressBar(batch.total, "requests", unit="req", stream=self._stream)
+            self._bar = ProgressBar(batch.total, batch.id, unit="request", stream=self._stream)
         if self._bar is not None:
             self._bar.reach(batch.completed + batch.failed)
 

@@ -363,7 +363,7 @@ def test_run_batch_writes_every_request_in_order_as_vllm_run_batch_does(
     assert written[1]["response"]["status_code"] == 400 and written[1]["response"]["body"] is None
     assert written[1]["error"]["error"]["param"] == "n"
     assert written[0]["response"]["body"]["object"] == "chat.completion"
-    assert f"{batch.id}: completed, 4/4 done" in progress.getvalue()
+    assert f"{batch.id}: 4 of 4 requests" in progress.getvalue()
 
 
 def test_the_server_serves_the_fleets_metrics_behind_its_key(api_url: str) -> None:

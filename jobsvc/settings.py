@@ -33,18 +33,17 @@ class Settings:
     load_format: str = "dummy"
     # Weights and activations. Empty: float32 for the tiny model, else "auto" (vLLM's choice,
     # which serves float32 checkpoints as bfloat16 on every x86 CPU, also on those without
-    # native bfloat16 arithmetic, where the tiny model then runs 1.7-3.1x slower).
+    # native bfloat16 arithmetic, where the tiny model then runs several times slower).
     dtype: str = ""
     # 0 means the model config's context length.
     max_model_len: int = 0
     # KV block size used by both the engine and the prefix hash; they must agree.
     block_size: int = 128
     # Most jobs per queue message. A worker claims, admits and acknowledges a message as one,
-    # so fewer, larger messages cost fewer claims, writes and threads while the engine runs
-    # (1 shard, reuse: 256 ran ahead of 32 in four back-to-back runs; see the README).
+    # so fewer, larger messages cost fewer claims, writes and threads while the engine runs.
     batch_size: int = 256
     # Shard choice: cache_aware (cache overlap against load), affinity (a document sticks to
-    # its first shard) or round_robin; see the README's routing section for the measurements.
+    # its first shard) or round_robin (docs/architecture.md compares them).
     routing: str = "cache_aware"
     # cache_aware: prefill tokens one unit of a shard's outstanding work is worth, and the
     # slack over the mean outstanding work beyond which a shard takes no job.
@@ -54,20 +53,16 @@ class Settings:
     # max_tokens) adds to its shard's load.
     routing_decode_cost: float = DEFAULT_DECODE_COST
     # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
-    # while a batch finishes (4 left the CPU engine ~10 % slower on the reuse burst).
+    # while a batch finishes and the next is claimed.
     worker_concurrency: int = 8
     # A batch's requests enter the engine this many at a time, one chunk every pause (0: all
-    # at once). Through the service, 32 every 15 ms ran a median 1.1 % slower than all at
-    # once, behind in 49 of 76 alternated pairs on two hosts (see the README).
+    # at once, which the engine schedules best; pacing is for engines that stall on a burst).
     admission_chunk: int = 0
     admission_pause_ms: float = 15.0
-    # CPU priority (nice, 0-19) of workers and the engine processes they start, below the
-    # database's and the broker's: the engine busy-waits between steps, and at equal priority
-    # PostgreSQL's server processes writing a burst's results waited up to 0.95 s for a core
-    # on a noisy 2-core host. At 10 no result came late, but 2-shard `reuse` ran 0.975 and
-    # 0.952 of standalone against 0.997 at 0 in the same hour; on another host, 30 pairs of
-    # each leaned the other way (0.9895 against 0.981), within the noise. So 0 (the priority
-    # left alone) stays the default (see the README).
+    # CPU priority (nice, 0-19) of workers and the engine processes they start. The engine
+    # busy-waits between steps, so on a host with few cores the database and the broker may
+    # wait for one; a positive value puts them first, at a cost to the engine that was within
+    # the noise, so the default leaves the priority alone (docs/operations.md).
     worker_nice: int = 0
     zstd_level: int = 3
     max_document_chars: int = 2_000_000

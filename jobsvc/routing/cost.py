@@ -13,8 +13,8 @@ from jobsvc.routing.prefix import DocumentKeys
 
 # Prefill tokens one output token (of a job's max_tokens) adds to its shard's load. A question
 # on a cached document costs its shard mostly decoding: with prefill alone in the loads, a
-# shard given a hot document's many questions looks idle while it runs them all. On a CPU
-# host a cached question's 16 output tokens cost its core about as much as 130 prompt tokens.
+# shard given a hot document's many questions looks idle while it runs them all. One output
+# token costs an engine about as much as a handful of prompt tokens computed in a batch.
 DEFAULT_DECODE_COST = 8.0
 # A shard's KV cache in blocks until its worker reports the real size: the order of a 7B
 # model's cache on one 80 GB GPU in 128-token blocks.

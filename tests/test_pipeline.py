@@ -19,7 +19,7 @@ from jobsvc.local import LocalWorkers
 from jobsvc.routing.cost import decode_load
 from jobsvc.routing.state import parse_loads
 from jobsvc.settings import Settings
-from jobsvc.store import Document, Job, Result, Store
+from jobsvc.store import Document, Job, Result, Store, utcnow
 from jobsvc.workloads import document, document_questions, question
 
 pytestmark = pytest.mark.integration
@@ -132,6 +132,25 @@ def test_cancelling_a_running_job_aborts_it_in_the_engine(client: Client,
     assert client.cancel(job_id) is True
     (record,) = client.wait([job_id], timeout=TIMEOUT)
     assert record.status is JobStatus.CANCELLED
+    deadline = time.monotonic() + 30
+    while f"aborts cancelled job {job_id}" not in worker.log_path(0).read_text(
+            errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"aborts cancelled job {job_id}" in worker.log_path(0).read_text(errors="replace")
+
+
+def test_a_running_job_whose_cancel_notice_was_lost_is_aborted_all_the_same(
+        client: Client, worker: LocalWorkers, store: Store) -> None:
+    rng = random.Random(18)
+    job_id = client.submit(document(rng, 100), question(rng), max_tokens=3000,
+                           ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while client.get(job_id).status is JobStatus.QUEUED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Cancelled in the store alone, as if the notice on the cancel channel never arrived.
+    with store.engine.begin() as connection:
+        connection.execute(update(Job).where(Job.id == job_id).values(
+            status=JobStatus.CANCELLED.value, finished_at=utcnow()))
     deadline = time.monotonic() + 30
     while f"aborts cancelled job {job_id}" not in worker.log_path(0).read_text(
             errors="replace") and time.monotonic() < deadline:

@@ -38,6 +38,8 @@ class BatchRunner:
         self._recorder = recorder
         self._hooks = hooks
         self._running: set[str] = set()
+        # Running jobs already aborted: a cancel heard twice aborts once.
+        self._aborted: set[str] = set()
         self._lock = threading.Lock()
 
     def run(self, payload: Any, message_id: str, redelivered: bool) -> dict[str, int]:
@@ -62,6 +64,7 @@ class BatchRunner:
             results.append(result)
             with self._lock:
                 self._running.discard(result.job_id)
+                self._aborted.discard(result.job_id)
             self._recorder.job_finished(_outcome(result), self.shard, checks[result.job_id],
                                         completion)
 
@@ -136,10 +139,17 @@ class BatchRunner:
 
     def abort_if_running(self, job_id: str) -> None:
         with self._lock:
-            running = job_id in self._running
+            running = job_id in self._running and job_id not in self._aborted
+            if running:
+                self._aborted.add(job_id)
         if running:
             log.info("shard %d aborts cancelled job %s", self.shard, job_id)
             self._engine.abort(job_id)
+
+    def running_jobs(self) -> list[str]:
+        """The jobs this worker has claimed and not yet finished."""
+        with self._lock:
+            return list(self._running)
 
     def _batch_stats(self, started: float, results: list[EngineResult]) -> dict[str, Any]:
         finished = max(result.finished_at for result in results)

@@ -9,16 +9,19 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import redis
 from celery import Celery, signals
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.keys import CANCEL_CHANNEL, queue_name
 from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
+from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
@@ -40,6 +43,8 @@ def worker_name(shard: int) -> str:
 
 
 EXIT_ENGINE_DEAD = 70
+# How often a worker asks the store whether any job it runs was cancelled.
+_CANCEL_CHECK_SECONDS = 3.0
 
 
 class WorkerRuntime:
@@ -112,7 +117,10 @@ class WorkerRuntime:
                 self._engine_died(RuntimeError("engine processes exited"))
 
     def _listen_for_cancels(self) -> None:
-        """Abort cancelled jobs running here; survives Redis restarts by resubscribing."""
+        """Abort cancelled jobs running here, told at once on the cancel channel; survives
+        Redis restarts by resubscribing. A notice published while the subscription was down is
+        lost, so every few seconds the store is asked too."""
+        checked = time.monotonic()
         while not self._stopped.is_set():
             try:
                 with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
@@ -120,10 +128,27 @@ class WorkerRuntime:
                     while not self._stopped.is_set():
                         message = pubsub.get_message(timeout=1.0)
                         if message is not None and self.runner is not None:
-                            self.runner.abort_if_running(message["data"].decode())
+                            self.runner.abort_if_running(
+                                message["data"].decode(errors="replace"))
+                        if time.monotonic() - checked >= _CANCEL_CHECK_SECONDS:
+                            checked = time.monotonic()
+                            self._abort_cancelled_in_store()
             except redis.RedisError as error:
                 log.warning("cancel listener lost Redis (%s); resubscribing", error)
                 self._stopped.wait(1.0)
+
+    def _abort_cancelled_in_store(self) -> None:
+        running = self.runner.running_jobs() if self.runner is not None else []
+        if not running:
+            return
+        try:
+            statuses = self._store.statuses(running)
+        except SQLAlchemyError as error:
+            log.warning("could not check running jobs for cancels: %s", type(error).__name__)
+            return
+        for job_id, status in statuses.items():
+            if status is JobStatus.CANCELLED and self.runner is not None:
+                self.runner.abort_if_running(job_id)
 
     def _reconcile(self) -> None:
         while not self._stopped.wait(self.settings.requeue_interval):

@@ -112,6 +112,8 @@ class Result(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Why the engine ended the answer: `stop` (end of sequence or a stop string) or `length`.
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
 
 
 class BatchStat(Base):
@@ -203,6 +205,7 @@ class JobOutcome:
     completion_tokens: int
     cached_tokens: int
     finished_at: datetime
+    finish_reason: str | None = None
 
     @property
     def status(self) -> JobStatus:
@@ -295,11 +298,14 @@ WITH finished AS (
     WHERE jobs.id = o.id AND jobs.status <> ALL(CAST(:finished AS varchar[]))
     RETURNING jobs.id, jobs.shard, jobs.load),
 answered AS (
-    INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, created_at)
-    SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, :recorded_at
+    INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
+                         created_at)
+    SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, r.finish_reason,
+           :recorded_at
     FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
-                CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]))
-         AS r (job_id, answer_zst, completion_tokens, cached_tokens)
+                CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]),
+                CAST(:finish_reasons AS varchar[]))
+         AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason)
     JOIN finished ON finished.id = r.job_id
     ON CONFLICT DO NOTHING)
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
@@ -325,6 +331,7 @@ def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOu
         "answers": [compression.compress((o.answer or "").encode()) for o in succeeded],
         "completion_tokens": [o.completion_tokens for o in succeeded],
         "cached_tokens": [o.cached_tokens for o in succeeded],
+        "finish_reasons": [o.finish_reason for o in succeeded],
     }))
 
 
@@ -637,7 +644,8 @@ class Store:
             connection.execute(self._insert_ignoring_duplicates(Result.__table__), [
                 {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
                  "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
-                 "created_at": recorded_at} for o in succeeded])
+                 "finish_reason": o.finish_reason, "created_at": recorded_at}
+                for o in succeeded])
         connection.execute(
             update(job).where(job.c.id == bindparam("b_id")).values(
                 status=bindparam("b_status"), error=bindparam("b_error"),

@@ -214,3 +214,14 @@ def test_a_warm_shutdown_stops_the_worker_and_its_engine_cleanly(worker: LocalWo
         assert "Traceback" not in shutdown_output, shutdown_output[-3000:]
     finally:
         worker.start()
+
+
+def test_an_answer_records_why_the_engine_ended_it(client: Client, store: Store) -> None:
+    rng = random.Random(19)
+    job_id = client.submit(document(rng, 60), question(rng), max_tokens=5, ignore_eos=True)
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
+    assert record.status is JobStatus.SUCCEEDED and record.completion_tokens == 5
+    with store.engine.connect() as connection:
+        reason = connection.execute(
+            select(Result.finish_reason).where(Result.job_id == job_id)).scalar_one()
+    assert reason == "length"

@@ -53,6 +53,8 @@ class EngineResult:
     completion_tokens: int
     cached_tokens: int
     finished_at: float
+    # The engine's reason for ending the answer (`stop`, `length`); None without one.
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ class EngineAdapter:
             return
         on_result(EngineResult(request.job_id, completion.text, None, prompt_tokens,
                                len(completion.token_ids), final.num_cached_tokens or 0,
-                               time.time()))
+                               time.time(), completion.finish_reason))
 
 
 def _failure(job_id: str, prompt_tokens: int, error: BaseException) -> EngineResult:

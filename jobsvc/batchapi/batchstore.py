@@ -113,6 +113,7 @@ class OutputRow:
     answer_zst: bytes | None
     completion_tokens: int | None
     cached_tokens: int | None
+    finish_reason: str | None
 
 
 class BatchStore:
@@ -251,7 +252,7 @@ class BatchStore:
             select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,
                    Job.status, Job.error.label("job_error"), Job.prompt_tokens, Job.sampling,
                    Job.finished_at, Result.answer_zst, Result.completion_tokens,
-                   Result.cached_tokens)
+                   Result.cached_tokens, Result.finish_reason)
             .select_from(BatchLine)
             .outerjoin(Job, Job.id == BatchLine.job_id)
             .outerjoin(Result, Result.job_id == Job.id)

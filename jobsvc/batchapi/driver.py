@@ -266,7 +266,8 @@ def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
         answer = Answer(
             row.job_id or "", compression.decompress(row.answer_zst).decode(),
             row.prompt_tokens or 0, row.completion_tokens or 0, row.cached_tokens or 0,
-            int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at))
+            int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at),
+            row.finish_reason)
         return "output", output_line(line_id, row.custom_id, status_code=200,
                                      request_id=request_id,
                                      body=response_body(batch.endpoint, answer, model))

@@ -29,18 +29,21 @@ class Answer:
     cached_tokens: int
     max_tokens: int
     created: int
+    # The engine's own reason, as recorded; None for results recorded before reasons were.
+    recorded_finish_reason: str | None = None
 
-
-def finish_reason(completion_tokens: int, max_tokens: int) -> str:
-    """`length` when the answer used every token it was allowed, else `stop` (the engine's
-    own reason is not recorded; an end-of-sequence token exactly at the limit reads as
-    `length`)."""
-    return "length" if completion_tokens >= max_tokens else "stop"
+    @property
+    def finish_reason(self) -> str:
+        """The recorded reason; for an older result, `length` when the answer used every
+        token it was allowed, else `stop`."""
+        if self.recorded_finish_reason is not None:
+            return self.recorded_finish_reason
+        return "length" if self.completion_tokens >= self.max_tokens else "stop"
 
 
 def response_body(endpoint: str, answer: Answer, model: str) -> dict[str, Any]:
     """The body the endpoint would have answered the request with."""
-    reason = finish_reason(answer.completion_tokens, answer.max_tokens)
+    reason = answer.finish_reason
     if endpoint == CHAT_ENDPOINT:
         kind, prefix = "chat.completion", "chatcmpl"
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",

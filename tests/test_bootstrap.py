@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.settings import Settings
 from workers.bootstrap import autogroups_enabled, cpu_cores
 
 pytestmark = pytest.mark.integration
@@ -137,3 +138,32 @@ def test_a_worker_started_inside_another_session_leaves_that_session_alone(
     if before is not None:
         assert own_autogroup.read_text() == before
         assert autogroup == before.strip()
+
+
+# A real Celery worker, on the real broker, whose start fails as an unrecoverable error does:
+# `run_worker` must end the process non-zero, so that a supervisor restarts it.
+_FAILING_WORKER = """
+import sys
+from celery import bootsteps
+import workers.celery_app
+from jobsvc.settings import Settings
+from jobsvc.transport import make_celery
+from workers.bootstrap import run_worker
+
+class Broken(bootsteps.StartStopStep):
+    def start(self, worker):
+        raise RuntimeError("an error the worker cannot recover from")
+
+settings = Settings.from_env({}, redis_url=sys.argv[1], worker_concurrency=1)
+app = make_celery(settings)
+app.steps["worker"].add(Broken)
+workers.celery_app.create_worker_app = lambda _settings, _shard: app
+run_worker(settings, 0, None)
+"""
+
+
+def test_a_worker_that_hits_an_unrecoverable_error_exits_non_zero(settings: Settings) -> None:
+    done = subprocess.run([sys.executable, "-c", _FAILING_WORKER, settings.redis_url],
+                          capture_output=True, timeout=120)
+    assert b"Unrecoverable error" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1

@@ -133,12 +133,15 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     from workers.celery_app import create_worker_app, worker_name
 
     app = create_worker_app(settings, shard)
-    # Celery's command returns the worker's exit code instead of exiting with it: pass it on,
-    # so a supervisor that restarts a failed worker sees an unrecoverable error as one.
-    exit_code = app.start([
+    from celery.bin.celery import celery as celery_command
+
+    # What `app.start` does, keeping the worker's exit code (1 after an unrecoverable error)
+    # that it drops when run from code: a supervisor restarts a worker that failed.
+    next(option for option in celery_command.params if option.name == "app").default = app
+    exit_code = celery_command.main(args=[
         "worker", "--queues", queue_name(shard), "--pool", "threads",
         "--concurrency", str(settings.worker_concurrency), "--hostname", worker_name(shard),
         "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
         "--heartbeat-interval", str(HEARTBEAT_SECONDS),
-    ])
+    ], standalone_mode=False)
     raise SystemExit(exit_code or 0)

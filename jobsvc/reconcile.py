@@ -69,7 +69,7 @@ class Reconciler:
         self._redis = client
         self._store = store
         self._celery = celery
-        self._shard_state = ShardState(client, settings.shards)
+        self._shard_state = ShardState(client)
         # Each shard's store-minus-Redis load difference at the last round: only a difference
         # that persists across two rounds is corrected, since submits and finishing jobs
         # change the two sides a moment apart.

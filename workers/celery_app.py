@@ -58,7 +58,7 @@ class WorkerRuntime:
         self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
                                     on_engine_dead=self._engine_died)
         self._feedback = CacheFeedback(self._redis)
-        self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
+        self._recorder = ResultRecorder(self._store, ShardState(self._redis),
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)

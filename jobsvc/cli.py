@@ -1,4 +1,4 @@
-"""The `jobsvc` command line: migrate, worker, demo, stats, status, flower."""
+"""The `jobsvc` command line: migrate, worker, demo, stats, status, drain, flower."""
 
 from __future__ import annotations
 
@@ -117,6 +117,22 @@ def _status(settings: Settings, args: argparse.Namespace) -> None:
     raise SystemExit(exit_code(fleet, named=named))
 
 
+def _drain(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.drain import drain_shard
+
+    outcome = drain_shard(settings, args.shard, args.timeout,
+                          lambda line: print(line, file=sys.stderr))
+    if outcome.worker is None:
+        print(f"shard {args.shard} has no live worker; moved {outcome.moved} queued jobs to "
+              "live shards")
+    elif outcome.done:
+        print(f"shard {args.shard} drained: worker {outcome.worker} stopped")
+    else:
+        print(f"shard {args.shard}: worker {outcome.worker} still runs after {args.timeout:.0f} "
+              "s; it stops once its batches end (run drain again to keep waiting)")
+        raise SystemExit(1)
+
+
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
     from jobsvc.flower_app import run_flower
 
@@ -215,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this shard alone; exit code 0 only if its worker is healthy "
                              "(a worker's health check)")
     status.set_defaults(run=_status)
+    drain = commands.add_parser(
+        "drain", help="take a shard out of service: no new jobs, running batches finish, "
+        "queued jobs move to live shards, then its worker exits 0")
+    drain.add_argument("--shard", type=int, required=True)
+    drain.add_argument("--timeout", type=float, default=600,
+                       help="seconds to wait for the worker to stop (exit code 1 after)")
+    drain.set_defaults(run=_drain)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

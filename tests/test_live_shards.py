@@ -1,11 +1,14 @@
-"""The live shard set: which shards producers route to as workers come and go."""
+"""The fleet's membership rules: which shards producers route to, which count as dead, and
+which shard numbers a starting worker may take."""
 
 from __future__ import annotations
 
 import pytest
 
+from jobsvc.departures import dead_shards
 from jobsvc.health import ALIVE_SECONDS, Heartbeat, SeenWorker
 from jobsvc.routing.live import NoLiveShard, live_shard_ids
+from workers.bootstrap import held_elsewhere
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +47,36 @@ def test_a_draining_shard_takes_no_new_work() -> None:
 def test_nothing_to_route_to_when_every_shard_drains() -> None:
     with pytest.raises(NoLiveShard, match="draining"):
         live_shard_ids({3: _seen(3)}, {3}, 1)
+
+
+def test_a_shard_silent_past_the_timeout_is_dead_and_a_live_one_never() -> None:
+    workers = {0: _seen(0), 1: _seen(1, 61.0), 2: _seen(2, 30.0), 3: _seen(3, 90.0, stopped=True)}
+    assert dead_shards(workers, with_jobs=[], live=[0], timeout_s=60) == {1, 3}
+    assert dead_shards(workers, with_jobs=[], live=[0, 1], timeout_s=60) == {3}
+
+
+def test_a_shard_with_jobs_but_no_heartbeat_is_dead_unless_producers_still_assume_it() -> None:
+    workers = {0: _seen(0)}
+    assert dead_shards(workers, with_jobs=[0, 1], live=[0], timeout_s=60) == {1}
+    assert dead_shards({}, with_jobs=[0, 1], live=[0, 1], timeout_s=60) == set()
+
+
+def test_a_shard_number_held_by_a_live_worker_elsewhere_is_refused() -> None:
+    elsewhere = _seen(5)
+    assert held_elsewhere(elsewhere, "other-host", 42, lambda _pid: False)
+
+
+def test_a_shard_whose_worker_died_or_went_silent_is_free() -> None:
+    def running(_pid: int) -> bool:
+        return False
+
+    assert not held_elsewhere(_seen(5, ALIVE_SECONDS + 1), "other-host", 42, running)
+    assert not held_elsewhere(_seen(5, stopped=True), "other-host", 42, running)
+    # The same host, and the process that wrote the heartbeat is gone: a crashed predecessor.
+    assert not held_elsewhere(_seen(5), "host", 42, running)
+    # A container restarted with the same name and process ID is that worker again.
+    assert not held_elsewhere(_seen(5), "host", 1, lambda _pid: True)
+
+
+def test_another_running_process_of_this_host_holds_its_shard() -> None:
+    assert held_elsewhere(_seen(5), "host", 42, lambda pid: pid == 1)

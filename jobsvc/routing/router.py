@@ -233,6 +233,25 @@ def reset_routing_state(client: redis.Redis, shards: int) -> None:
         pipe.execute()
 
 
+def forget_shard(client: redis.Redis, shard: int) -> None:
+    """Forget what routing knows of a shard that left the fleet: its load, its cache estimate
+    and capacities, and every affinity entry naming it (one pass over the affinity map; a
+    producer that placed a document there meanwhile loses nothing, the document is placed
+    anew at its next submit)."""
+    name = str(shard)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hdel(LOAD_KEY, name)
+        pipe.delete(cache_key(shard))
+        pipe.hdel(CAPACITY_KEY, name)
+        pipe.hdel(REPORTED_CAPACITY_KEY, name)
+        pipe.execute()
+    named = name.encode()
+    stale = [key for key, value in client.hscan_iter(AFFINITY_KEY, count=10_000)
+             if value == named]
+    for start in range(0, len(stale), 10_000):
+        client.hdel(AFFINITY_KEY, *stale[start:start + 10_000])
+
+
 # The Redis-backed router of each policy.
 ROUTERS: dict[type[RoutingPolicy], type[Router]] = {
     RoundRobinPolicy: RoundRobinRouter,

@@ -1,0 +1,171 @@
+"""Shards come and go under load, on private servers: a worker killed for good mid-burst, a
+new shard joining under another host name, a shard drained. Every job must still end exactly
+once. Three workers on a small machine: small bursts, short answers, every wait bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from jobsvc import Client, JobStatus
+from jobsvc.health import read_heartbeats
+from jobsvc.local import LocalWorkers, settings_environment
+from jobsvc.migrate import upgrade_to_head
+from jobsvc.settings import Settings
+from jobsvc.store import Result, Store
+from jobsvc.workloads import document_questions
+from tests.conftest import FAULT_TABLE
+from tests.servers import PrivatePostgres, PrivateRedis
+
+pytestmark = pytest.mark.faults
+
+FINISH_TIMEOUT = 300
+SHARD_TIMEOUT = 15
+
+
+@dataclass
+class Fleet:
+    settings: Settings
+    workers: LocalWorkers
+    log_dir: Path
+    client: Client
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    redis_server = PrivateRedis(6393)
+    redis_server.start()
+    postgres = PrivatePostgres(5443)
+    postgres.start()
+    settings = Settings.from_env(
+        {}, redis_url=redis_server.url, database_url=postgres.url, shards=3,
+        shard_timeout=SHARD_TIMEOUT, requeue_interval=2, stranded_grace=5, max_attempts=3,
+        batch_size=4, worker_concurrency=2, visibility_timeout=8, metrics_port=0)
+    upgrade_to_head(postgres.url)
+    log_dir = Path(tmp_path_factory.mktemp("fleet-logs"))
+    workers = LocalWorkers(settings, log_dir, shards=[0, 1, 2])
+    try:
+        workers.start()
+        with Client(settings=settings) as client:
+            yield Fleet(settings, workers, log_dir, client)
+    finally:
+        workers.stop()
+        postgres.stop()
+        postgres.remove()
+        redis_server.stop()
+
+
+def _burst(client: Client, documents: int, seed: int) -> list[str]:
+    work = document_questions(documents, 3, 120, seed=seed)
+    return client.submit_many({"document": job.document, "question": job.question,
+                               "max_tokens": 6, "ignore_eos": True} for job in work)
+
+
+def _wait_for(what: str, condition: Callable[[], bool], timeout: float = FINISH_TIMEOUT
+              ) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.5)
+
+
+def _tally(fleet: Fleet, scenario: str, ids: list[str]) -> dict[str, int]:
+    """Wait (bounded) for every job to finish, count endings and result rows; a table row."""
+    client = fleet.client
+    deadline = time.monotonic() + FINISH_TIMEOUT
+    while client.pending(ids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    records = [client.get(job_id) for job_id in ids]
+    store = Store(fleet.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        result_rows = connection.execute(
+            select(func.count()).select_from(Result).where(Result.job_id.in_(ids))
+        ).scalar_one()
+    store.dispose()
+    counts = {status: sum(r.status is status for r in records) for status in JobStatus}
+    row = {"scenario": scenario, "submitted": len(ids),
+           "succeeded": counts[JobStatus.SUCCEEDED], "failed": counts[JobStatus.FAILED],
+           "cancelled": counts[JobStatus.CANCELLED],
+           "lost": counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING],
+           "duplicated": result_rows - counts[JobStatus.SUCCEEDED]}
+    FAULT_TABLE.append(row)
+    return row
+
+
+def _process_of(workers: LocalWorkers, shard: int) -> subprocess.Popen[bytes]:
+    return workers.processes[workers.shards.index(shard)]
+
+
+def _kill_tree(process: psutil.Process) -> None:
+    members = [process, *process.children(recursive=True)]
+    for member in members:
+        member.send_signal(signal.SIGKILL)
+    psutil.wait_procs(members, timeout=30)
+
+
+def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_joins(
+        fleet: Fleet) -> None:
+    client = fleet.client
+    ids = _burst(client, 8, seed=301)
+    dead = 2
+    assert any(client.get(job_id).shard == dead for job_id in ids)
+    _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
+    _kill_tree(psutil.Process(_process_of(fleet.workers, dead).pid))
+    row = _tally(fleet, "worker kill -9, never back", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+
+    # A new GPU joins as shard 5 on another host, while shard 2 stays dead.
+    host_b = replace(fleet.settings, worker_host="host-b")
+    joined = LocalWorkers(host_b, fleet.log_dir / "host-b", shards=[5])
+    try:
+        joined.start()
+        seen = read_heartbeats(redis.Redis.from_url(fleet.settings.redis_url))[5]
+        assert seen.heartbeat.host == "host-b"
+        # Shard numbers are unique across the fleet: a worker on a third host may not take 5.
+        refused = subprocess.run(
+            [sys.executable, "-m", "jobsvc", "worker", "--shard", "5"],
+            env={**os.environ, **settings_environment(replace(host_b, worker_host="host-c"))},
+            capture_output=True, text=True, timeout=180)
+        assert refused.returncode != 0
+        assert "shard 5 is held by worker shard5@host-b" in refused.stderr
+        with Client(settings=fleet.settings) as producer:
+            later = _burst(producer, 8, seed=302)
+            shards = {producer.get(job_id).shard for job_id in later}
+        assert 5 in shards and dead not in shards
+        row = _tally(fleet, "new shard 5 joins on host-b", later)
+        assert row == {**row, "succeeded": len(later), "lost": 0, "duplicated": 0}
+    finally:
+        joined.stop()
+
+
+def test_a_drained_shard_finishes_its_queue_elsewhere_and_its_worker_exits_0(
+        fleet: Fleet) -> None:
+    client = fleet.client
+    drained = 1
+    ids = _burst(client, 10, seed=303)
+    assert any(client.get(job_id).shard == drained for job_id in ids)
+    _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
+    drain = subprocess.run(
+        [sys.executable, "-m", "jobsvc", "drain", "--shard", str(drained), "--timeout", "240"],
+        env={**os.environ, **settings_environment(fleet.settings)}, capture_output=True,
+        text=True, timeout=300)
+    assert drain.returncode == 0, drain.stderr
+    assert _process_of(fleet.workers, drained).wait(timeout=60) == 0
+    row = _tally(fleet, "shard drained mid-burst", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    with Client(settings=fleet.settings) as producer:
+        later = _burst(producer, 4, seed=304)
+        assert drained not in {producer.get(job_id).shard for job_id in later}
+    row = _tally(fleet, "after the drain", later)
+    assert row == {**row, "succeeded": len(later), "lost": 0, "duplicated": 0}

@@ -20,6 +20,7 @@ from sqlalchemy import func, select
 
 from jobsvc import Client, JobStatus
 from jobsvc.health import read_heartbeats
+from jobsvc.keys import DRAINING_KEY
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
@@ -66,10 +67,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         redis_server.stop()
 
 
-def _burst(client: Client, documents: int, seed: int) -> list[str]:
+def _burst(client: Client, documents: int, seed: int, max_tokens: int = 6) -> list[str]:
     work = document_questions(documents, 3, 120, seed=seed)
     return client.submit_many({"document": job.document, "question": job.question,
-                               "max_tokens": 6, "ignore_eos": True} for job in work)
+                               "max_tokens": max_tokens, "ignore_eos": True} for job in work)
 
 
 def _wait_for(what: str, condition: Callable[[], bool], timeout: float = FINISH_TIMEOUT
@@ -107,6 +108,16 @@ def _process_of(workers: LocalWorkers, shard: int) -> subprocess.Popen[bytes]:
     return workers.processes[workers.shards.index(shard)]
 
 
+def _shards(client: Client, ids: list[str]) -> dict[str, int]:
+    return {job_id: client.get(job_id).shard for job_id in ids}
+
+
+def _moved_off(client: Client, routed: dict[str, int], shard: int) -> list[str]:
+    """Jobs first routed to `shard` that ended on another."""
+    return [job_id for job_id, first in routed.items()
+            if first == shard and client.get(job_id).shard != shard]
+
+
 def _kill_tree(process: psutil.Process) -> None:
     members = [process, *process.children(recursive=True)]
     for member in members:
@@ -119,11 +130,14 @@ def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_join
     client = fleet.client
     ids = _burst(client, 8, seed=301)
     dead = 2
-    assert any(client.get(job_id).shard == dead for job_id in ids)
+    routed = _shards(client, ids)
+    assert dead in routed.values()
     _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
     _kill_tree(psutil.Process(_process_of(fleet.workers, dead).pid))
     row = _tally(fleet, "worker kill -9, never back", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    # Jobs the dead shard had not finished ran on the others, and their records say so.
+    assert _moved_off(client, routed, dead)
 
     # A new GPU joins as shard 5 on another host, while shard 2 stays dead.
     host_b = replace(fleet.settings, worker_host="host-b")
@@ -153,17 +167,31 @@ def test_a_drained_shard_finishes_its_queue_elsewhere_and_its_worker_exits_0(
         fleet: Fleet) -> None:
     client = fleet.client
     drained = 1
-    ids = _burst(client, 10, seed=303)
-    assert any(client.get(job_id).shard == drained for job_id in ids)
-    _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
-    drain = subprocess.run(
-        [sys.executable, "-m", "jobsvc", "drain", "--shard", str(drained), "--timeout", "240"],
-        env={**os.environ, **settings_environment(fleet.settings)}, capture_output=True,
-        text=True, timeout=300)
-    assert drain.returncode == 0, drain.stderr
+    worker = _process_of(fleet.workers, drained)
+    broker = redis.Redis.from_url(fleet.settings.redis_url)
+    # The drained worker is paused (for less than a heartbeat's 15 s of grace) while the burst
+    # arrives and the drain begins, so its queue holds more batches than it runs and holds at
+    # once, however fast this machine runs them.
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        ids = _burst(client, 16, seed=303, max_tokens=32)
+        routed = _shards(client, ids)
+        assert sum(shard == drained for shard in routed.values()) > 4 * 2 * 2
+        drain = subprocess.Popen(
+            [sys.executable, "-m", "jobsvc", "drain", "--shard", str(drained),
+             "--timeout", "240"], env={**os.environ, **settings_environment(fleet.settings)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for("the drain flag", lambda: bool(broker.sismember(DRAINING_KEY, drained)),
+                  timeout=10)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    out, err = drain.communicate(timeout=300)
+    assert drain.returncode == 0, err
+    assert f"shard {drained} drained" in out
     assert _process_of(fleet.workers, drained).wait(timeout=60) == 0
     row = _tally(fleet, "shard drained mid-burst", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    assert _moved_off(client, routed, drained)
     with Client(settings=fleet.settings) as producer:
         later = _burst(producer, 4, seed=304)
         assert drained not in {producer.get(job_id).shard for job_id in later}

@@ -108,6 +108,9 @@ class Reconciler:
             moved += self._mover.move(shard, unclaimed_only=False,
                                       waited_s=None if shard in workers else timeout)
             self._mover.forget(shard)
+            # Its messages now match no job (a job still there moves in a later round), and
+            # nothing consumes them: an empty queue is not taken for work waiting.
+            self._redis.delete(queue_name(shard))
         return moved
 
     def _live_messages(self, shards: Iterable[int]) -> set[str]:

@@ -16,17 +16,15 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from sqlalchemy import func, select
 
-from jobsvc import Client, JobStatus
+from jobsvc import Client
 from jobsvc.health import read_heartbeats
 from jobsvc.keys import DRAINING_KEY
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
-from jobsvc.store import Result, Store
 from jobsvc.workloads import document_questions
-from tests.conftest import FAULT_TABLE
+from tests.fault_tally import kill_tree, tally
 from tests.servers import PrivatePostgres, PrivateRedis
 
 pytestmark = pytest.mark.faults
@@ -82,26 +80,8 @@ def _wait_for(what: str, condition: Callable[[], bool], timeout: float = FINISH_
 
 
 def _tally(fleet: Fleet, scenario: str, ids: list[str]) -> dict[str, int]:
-    """Wait (bounded) for every job to finish, count endings and result rows; a table row."""
-    client = fleet.client
-    deadline = time.monotonic() + FINISH_TIMEOUT
-    while client.pending(ids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    records = [client.get(job_id) for job_id in ids]
-    store = Store(fleet.settings.resolved_database_url)
-    with store.engine.connect() as connection:
-        result_rows = connection.execute(
-            select(func.count()).select_from(Result).where(Result.job_id.in_(ids))
-        ).scalar_one()
-    store.dispose()
-    counts = {status: sum(r.status is status for r in records) for status in JobStatus}
-    row = {"scenario": scenario, "submitted": len(ids),
-           "succeeded": counts[JobStatus.SUCCEEDED], "failed": counts[JobStatus.FAILED],
-           "cancelled": counts[JobStatus.CANCELLED],
-           "lost": counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING],
-           "duplicated": result_rows - counts[JobStatus.SUCCEEDED]}
-    FAULT_TABLE.append(row)
-    return row
+    return tally(fleet.client, fleet.settings.resolved_database_url, scenario, ids,
+                 FINISH_TIMEOUT)
 
 
 def _process_of(workers: LocalWorkers, shard: int) -> subprocess.Popen[bytes]:
@@ -118,13 +98,6 @@ def _moved_off(client: Client, routed: dict[str, int], shard: int) -> list[str]:
             if first == shard and client.get(job_id).shard != shard]
 
 
-def _kill_tree(process: psutil.Process) -> None:
-    members = [process, *process.children(recursive=True)]
-    for member in members:
-        member.send_signal(signal.SIGKILL)
-    psutil.wait_procs(members, timeout=30)
-
-
 def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_joins(
         fleet: Fleet) -> None:
     client = fleet.client
@@ -133,7 +106,7 @@ def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_join
     routed = _shards(client, ids)
     assert dead in routed.values()
     _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
-    _kill_tree(psutil.Process(_process_of(fleet.workers, dead).pid))
+    kill_tree(psutil.Process(_process_of(fleet.workers, dead).pid))
     row = _tally(fleet, "worker kill -9, never back", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
     # Jobs the dead shard had not finished ran on the others, and their records say so.

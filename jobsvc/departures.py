@@ -99,6 +99,8 @@ class ShardMover:
             [(route.shard, route.load) for job, route in zip(jobs, routes, strict=True)
              if job.job_id not in moved]
             + [(shard, job.load) for job in jobs if job.job_id in moved]))
+        # Recorded first: should the send fail, the jobs have no live message and the
+        # reconciler sends them again on their new shards.
         publish(self._celery, [message for message in messages
                                if any(job_id in moved for job_id in message.job_ids)])
         if moved:
@@ -106,12 +108,11 @@ class ShardMover:
                         sorted({route_of[job_id].shard for job_id in moved}))
         return len(moved)
 
-    def forget(self, shard: int) -> bool:
-        """Forget a dead shard's routing state, once; returns whether this call did."""
+    def forget(self, shard: int) -> None:
+        """Forget a dead shard's routing state, once (until a worker rejoins under it)."""
         if self._redis.sismember(DEPARTED_KEY, shard):
-            return False
+            return
         forget_shard(self._redis, shard)
         self._redis.sadd(DEPARTED_KEY, shard)
         log.warning("shard %d left the fleet: its affinity entries, load and cache estimate "
                     "are forgotten", shard)
-        return True

@@ -59,10 +59,14 @@ class DrainWatch:
     def _drain(self, stopped: threading.Event) -> None:
         log.warning("shard %d is draining: taking no more messages", self._shard)
         self._stop_consuming()
-        stopped.wait(LIVE_SET_SECONDS)
+        # A worker stopped meanwhile leaves the rest to the reconciler: a draining shard is
+        # not live, and once silent for the shard timeout its jobs move.
+        if stopped.wait(LIVE_SET_SECONDS):
+            return
         moved = self._move()
-        while self._activity.now()[0] and not stopped.wait(_CHECK_SECONDS):
-            pass
+        while self._activity.now()[0]:
+            if stopped.wait(_CHECK_SECONDS):
+                return
         moved += self._move()
         log.warning("shard %d drained: its batches ended and %d queued jobs moved to live "
                     "shards; shutting down", self._shard, moved)

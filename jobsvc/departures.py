@@ -17,10 +17,11 @@ from datetime import timedelta
 
 import redis
 from celery import Celery
+from redis.lock import Lock
 
 from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.health import SeenWorker
-from jobsvc.keys import DEPARTED_KEY, DRAINING_KEY
+from jobsvc.keys import DEPARTED_KEY, DRAINING_KEY, RECONCILE_LOCK_KEY
 from jobsvc.routing.cost import Route, RoutingJob, decode_load, loads_per_shard
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import forget_shard, make_router
@@ -33,6 +34,18 @@ log = logging.getLogger(__name__)
 
 # Jobs moved per call; a reconciler round moves at most this many per dead shard.
 MOST_JOBS_PER_MOVE = 10_000
+# Longest anyone holds the reconcile lock. Rounds and moves take seconds at most; a worker
+# killed while it held the lock keeps every other reconciler, and so the move of its own jobs,
+# waiting this long.
+RECONCILE_LOCK_SECONDS = 30
+# Longest a drain waits for a reconciliation round to end before it moves jobs.
+_LOCK_WAIT_SECONDS = 60
+
+
+def reconcile_lock(client: redis.Redis, *, wait: bool) -> Lock:
+    """The lock under which jobs are sent again or moved, one process at a time."""
+    return client.lock(RECONCILE_LOCK_KEY, timeout=RECONCILE_LOCK_SECONDS, blocking=wait,
+                       blocking_timeout=_LOCK_WAIT_SECONDS if wait else None)
 
 
 def dead_shards(workers: Mapping[int, SeenWorker], with_jobs: Iterable[int],
@@ -107,6 +120,12 @@ class ShardMover:
             log.warning("moved %d unfinished jobs off shard %d to shards %s", len(moved), shard,
                         sorted({route_of[job_id].shard for job_id in moved}))
         return len(moved)
+
+    def move_unclaimed(self, shard: int) -> int:
+        """Move the jobs of a draining shard that no worker claimed, under the reconcile lock
+        (waiting for a round to end)."""
+        with reconcile_lock(self._redis, wait=True):
+            return self.move(shard, unclaimed_only=True)
 
     def forget(self, shard: int) -> None:
         """Forget a dead shard's routing state, once (until a worker rejoins under it)."""

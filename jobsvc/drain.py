@@ -14,7 +14,7 @@ import redis
 
 from jobsvc.departures import ShardMover
 from jobsvc.health import read_heartbeats
-from jobsvc.keys import DRAINING_KEY, RECONCILE_LOCK_KEY
+from jobsvc.keys import DRAINING_KEY
 from jobsvc.routing.live import read_draining
 from jobsvc.settings import Settings
 from jobsvc.store import Store
@@ -57,8 +57,6 @@ def drain_shard(settings: Settings, shard: int, timeout_s: float,
 def _move_queued(settings: Settings, client: redis.Redis, shard: int) -> int:
     store = Store(settings.resolved_database_url)
     try:
-        mover = ShardMover(settings, client, store, make_celery(settings))
-        with client.lock(RECONCILE_LOCK_KEY, timeout=300, blocking_timeout=60):
-            return mover.move(shard, unclaimed_only=True)
+        return ShardMover(settings, client, store, make_celery(settings)).move_unclaimed(shard)
     finally:
         store.dispose()

@@ -24,9 +24,9 @@ import redis
 from celery import Celery
 
 from jobsvc.batching import PlacedJob, form_batches
-from jobsvc.departures import ShardMover, dead_shards
+from jobsvc.departures import RECONCILE_LOCK_SECONDS, ShardMover, dead_shards, reconcile_lock
 from jobsvc.health import read_heartbeats
-from jobsvc.keys import RECONCILE_LOCK_KEY, UNACKED_KEY, queue_name
+from jobsvc.keys import UNACKED_KEY, queue_name
 from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
 from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
@@ -84,14 +84,20 @@ class Reconciler:
 
     def run_round(self) -> RoundReport:
         """One round, unless another reconciler is in one; returns what it changed."""
-        lock = self._redis.lock(RECONCILE_LOCK_KEY, timeout=300, blocking=False)
+        lock = reconcile_lock(self._redis, wait=False)
         if not lock.acquire():
             return RoundReport()
         try:
             moved = self._move_off_dead_shards()
             return RoundReport(self._requeue_stranded(), self._correct_load(), moved)
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                # Held past its timeout: another reconciler may have begun a round meanwhile,
+                # which sends a message twice at worst (a job runs under its latest one).
+                log.warning("a reconciliation round outlasted its %d s lock",
+                            RECONCILE_LOCK_SECONDS)
 
     def _move_off_dead_shards(self) -> int:
         workers = read_heartbeats(self._redis)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import redis
 
 from jobsvc.departures import ShardMover
-from jobsvc.keys import DRAINING_KEY, RECONCILE_LOCK_KEY
+from jobsvc.keys import DRAINING_KEY
 from jobsvc.routing.live import LIVE_SET_SECONDS
 from workers.heartbeat import BatchActivity
 
@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 # How often the worker looks for its drain flag, and for its batches to end.
 _CHECK_SECONDS = 1.0
-# Longest a move waits for a reconciler round to end.
-_LOCK_WAIT_SECONDS = 60
 
 
 class DrainWatch:
@@ -51,7 +49,7 @@ class DrainWatch:
             if draining:
                 try:
                     self._drain(stopped)
-                except (redis.RedisError, redis.exceptions.LockError) as error:
+                except redis.RedisError as error:
                     log.error("shard %d could not finish draining (%s); drain it again",
                               self._shard, error)
                 return
@@ -63,16 +61,11 @@ class DrainWatch:
         # not live, and once silent for the shard timeout its jobs move.
         if stopped.wait(LIVE_SET_SECONDS):
             return
-        moved = self._move()
+        moved = self._mover.move_unclaimed(self._shard)
         while self._activity.now()[0]:
             if stopped.wait(_CHECK_SECONDS):
                 return
-        moved += self._move()
+        moved += self._mover.move_unclaimed(self._shard)
         log.warning("shard %d drained: its batches ended and %d queued jobs moved to live "
                     "shards; shutting down", self._shard, moved)
         self._shut_down()
-
-    def _move(self) -> int:
-        with self._redis.lock(RECONCILE_LOCK_KEY, timeout=300,
-                              blocking_timeout=_LOCK_WAIT_SECONDS):
-            return self._mover.move(self._shard, unclaimed_only=True)

@@ -362,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float,
                         help="cache_aware: cost per unit of outstanding work "
                              "(default: JOBSVC_ROUTING_LOAD_WEIGHT)")
-    parser.add_argument("--changes", type=parse_changes, default=[],
+    parser.add_argument("--changes", default="",
                         help="shards joining and leaving mid-run: KIND:SHARD@JOB,... with KIND "
                              "join or leave, e.g. leave:3@250000,join:64@500000")
     parser.add_argument("--epsilon", type=float,
@@ -404,7 +404,7 @@ def run_from_args(settings: Settings, args: argparse.Namespace) -> dict[str, Any
         decode_cost=_or_setting(args.decode_cost, settings.routing_decode_cost),
         arrival_rate=args.arrival_rate,
         weight=_or_setting(args.weight, settings.routing_load_weight),
-        epsilon=_or_setting(args.epsilon, settings.routing_load_slack), changes=args.changes)
+        epsilon=_or_setting(args.epsilon, settings.routing_load_slack), changes=parse_changes(args.changes))
     report["shape"] = asdict(shape) if shape else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -3,16 +3,21 @@ many documents moved per change."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from jobsvc.routing.policies import AffinityPolicy, CacheAwarePolicy, RoundRobinPolicy
+from jobsvc.settings import Settings
 from jobsvc.simulate import (
     FleetChange,
     WorkloadError,
     WorkloadShape,
+    add_arguments,
     changed_fleet,
     generate,
     parse_changes,
+    run_from_args,
     run_simulation,
 )
 
@@ -100,3 +105,14 @@ def test_reindexing_keeps_the_state_of_shards_that_stay_and_forgets_the_leaver()
     dealer = RoundRobinPolicy(4, first=3)
     dealer.reindex([0, 1])
     assert dealer.choose((), 1) in (0, 1)
+
+
+def test_the_command_line_replays_fleet_changes() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "reuse", "--jobs", "600", "--shards", "4",
+                              "--policy", "affinity", "--changes", "leave:2@300"])
+    report = run_from_args(Settings.from_env({}), args)
+    change, = report["fleet_changes"]
+    assert (change["kind"], change["shard"], change["shards_after"]) == ("leave", 2, 3)
+    assert report["router_state_entries"] > 0

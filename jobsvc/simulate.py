@@ -404,7 +404,8 @@ def run_from_args(settings: Settings, args: argparse.Namespace) -> dict[str, Any
         decode_cost=_or_setting(args.decode_cost, settings.routing_decode_cost),
         arrival_rate=args.arrival_rate,
         weight=_or_setting(args.weight, settings.routing_load_weight),
-        epsilon=_or_setting(args.epsilon, settings.routing_load_slack), changes=parse_changes(args.changes))
+        epsilon=_or_setting(args.epsilon, settings.routing_load_slack),
+        changes=parse_changes(args.changes))
     report["shape"] = asdict(shape) if shape else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.health import ALIVE_SECONDS
 from jobsvc.routing.cost import DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
@@ -166,8 +167,11 @@ class Settings:
         if self.stranded_grace < 1 or self.max_stop_chars < 1 or self.max_job_bytes < 1024:
             raise ConfigurationError("JOBSVC_STRANDED_GRACE and JOBSVC_MAX_STOP_CHARS must be "
                                      ">= 1 and JOBSVC_MAX_JOB_BYTES >= 1024")
-        if self.shard_timeout < 1:
-            raise ConfigurationError("JOBSVC_SHARD_TIMEOUT must be >= 1")
+        if self.shard_timeout < ALIVE_SECONDS:
+            # Shorter, a draining worker between two heartbeats could count as dead and have
+            # the jobs it runs moved.
+            raise ConfigurationError(f"JOBSVC_SHARD_TIMEOUT must be >= {ALIVE_SECONDS:.0f} "
+                                     "(three missed heartbeats)")
         if self.routing not in POLICY_NAMES:
             raise ConfigurationError(f"JOBSVC_ROUTING={self.routing!r} is not one of "
                                      f"{', '.join(POLICY_NAMES)}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from jobsvc.departures import dead_shards
+from jobsvc.errors import ConfigurationError
 from jobsvc.health import ALIVE_SECONDS, Heartbeat, SeenWorker
 from jobsvc.routing.live import NoLiveShard, live_shard_ids
+from jobsvc.settings import Settings
 from workers.bootstrap import held_elsewhere
 
 pytestmark = pytest.mark.unit
@@ -80,3 +82,9 @@ def test_a_shard_whose_worker_died_or_went_silent_is_free() -> None:
 
 def test_another_running_process_of_this_host_holds_its_shard() -> None:
     assert held_elsewhere(_seen(5), "host", 42, lambda pid: pid == 1)
+
+
+def test_a_shard_timeout_within_the_heartbeat_limit_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="JOBSVC_SHARD_TIMEOUT"):
+        Settings.from_env({"JOBSVC_SHARD_TIMEOUT": str(int(ALIVE_SECONDS) - 1)})
+    assert Settings.from_env({}).shard_timeout == 60

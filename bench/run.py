@@ -293,7 +293,7 @@ class Bench:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.celery = make_celery(settings)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
-        self.router = make_router(self.redis, ShardState(self.redis, settings.shards), settings)
+        self.router = make_router(self.redis, ShardState(self.redis), settings)
         self.totals = _Totals(shard_jobs=[0] * settings.shards)
         # The service admitting each message at once, in an admission A/B run.
         self.all_at_once_totals = _Totals(shard_jobs=[0] * settings.shards)

@@ -1,4 +1,4 @@
-"""The `jobsvc` command line: migrate, worker, demo, stats, status, flower."""
+"""The `jobsvc` command line: migrate, worker, demo, stats, status, drain, flower."""
 
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ def _migrate(settings: Settings, _args: argparse.Namespace) -> None:
 def _worker(settings: Settings, args: argparse.Namespace) -> None:
     from workers.bootstrap import run_worker
 
-    if not 0 <= args.shard < settings.shards:
-        raise SystemExit(f"--shard must be between 0 and {settings.shards - 1} "
-                         f"(JOBSVC_SHARDS={settings.shards})")
+    if args.shard < 0:
+        raise SystemExit(f"--shard must be 0 or more, got {args.shard}")
     run_worker(settings, args.shard, args.device)
 
 
@@ -116,6 +115,22 @@ def _status(settings: Settings, args: argparse.Namespace) -> None:
     report = status_report(fleet, named=named)
     print(json.dumps(report, indent=2) if args.json else render_text(report))
     raise SystemExit(exit_code(fleet, named=named))
+
+
+def _drain(settings: Settings, args: argparse.Namespace) -> None:
+    from jobsvc.drain import drain_shard
+
+    outcome = drain_shard(settings, args.shard, args.timeout,
+                          lambda line: print(line, file=sys.stderr))
+    if outcome.worker is None:
+        print(f"shard {args.shard} has no live worker; moved {outcome.moved} queued jobs to "
+              "live shards")
+    elif outcome.done:
+        print(f"shard {args.shard} drained: worker {outcome.worker} stopped")
+    else:
+        print(f"shard {args.shard}: worker {outcome.worker} still runs after {args.timeout:.0f} "
+              "s; it stops once its batches end (run drain again to keep waiting)")
+        raise SystemExit(1)
 
 
 def _flower(settings: Settings, args: argparse.Namespace) -> None:
@@ -216,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this shard alone; exit code 0 only if its worker is healthy "
                              "(a worker's health check)")
     status.set_defaults(run=_status)
+    drain = commands.add_parser(
+        "drain", help="take a shard out of service: no new jobs, running batches finish, "
+        "queued jobs move to live shards, then its worker exits 0")
+    drain.add_argument("--shard", type=int, required=True)
+    drain.add_argument("--timeout", type=float, default=600,
+                       help="seconds to wait for the worker to stop (exit code 1 after)")
+    drain.set_defaults(run=_drain)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
     flower.set_defaults(run=_flower)

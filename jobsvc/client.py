@@ -112,7 +112,7 @@ class Client:
         self._redis = redis.Redis.from_url(
             self.settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0), 5),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-        self._shard_state = ShardState(self._redis, self.settings.shards)
+        self._shard_state = ShardState(self._redis)
         self._router = make_router(self._redis, self._shard_state, self.settings)
         self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
         self._celery = make_celery(self.settings)

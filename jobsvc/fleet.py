@@ -73,7 +73,7 @@ class FleetReader:
         self._configured = settings.shards
         self._redis = client
         self._store = store
-        self._loads = ShardState(client, settings.shards)
+        self._loads = ShardState(client)
 
     def read(self, only: int | None = None) -> Fleet:
         """Every listed shard, or shard `only` alone (listed or not)."""

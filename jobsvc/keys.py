@@ -77,3 +77,11 @@ def _shard_after(prefix: str, key: bytes | str) -> int | None:
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     suffix = text[len(prefix):] if text.startswith(prefix) else ""
     return int(suffix) if suffix.isdigit() else None
+
+
+# Shards an operator is taking out of service (`jobsvc drain`): a set of shard numbers that
+# routers leave out and whose workers stop once their work is done.
+DRAINING_KEY = "jobsvc:draining"
+# Shards found dead whose routing state (affinity entries, load, cache estimate) has been
+# forgotten; a worker that starts under such a number takes it out of the set.
+DEPARTED_KEY = "jobsvc:departed"

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -33,13 +33,19 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 
 class LocalWorkers:
     def __init__(self, settings: Settings, log_dir: Path, *,
-                 devices: list[str | None] | None = None, startup_timeout: float = 600) -> None:
+                 devices: list[str | None] | None = None, shards: Sequence[int] | None = None,
+                 startup_timeout: float = 600) -> None:
+        """One worker per device (none by default), under the shard numbers given (by default
+        0, 1, ... up to the configured count)."""
         database_url = settings.resolved_database_url
         if database_url.startswith("sqlite:///") and not database_url.startswith("sqlite:////"):
             database_url = "sqlite:///" + str(Path(database_url[10:]).resolve())
         self.settings = replace(settings, database_url=database_url)
         self.log_dir = log_dir
-        self._devices = devices or [None] * settings.shards
+        self.shards = list(range(settings.shards) if shards is None else shards)
+        self._devices = devices or [None] * len(self.shards)
+        if len(self._devices) != len(self.shards):
+            raise WorkerStartError(f"{len(self._devices)} devices for {len(self.shards)} shards")
         self._timeout = startup_timeout
         self.processes: list[subprocess.Popen[bytes]] = []
 
@@ -49,7 +55,7 @@ class LocalWorkers:
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **settings_environment(self.settings)}
-        for shard, device in enumerate(self._devices):
+        for shard, device in zip(self.shards, self._devices, strict=True):
             command = [sys.executable, "-m", "jobsvc", "worker", "--shard", str(shard)]
             if device:
                 command += ["--device", device]
@@ -63,11 +69,11 @@ class LocalWorkers:
 
     def _wait_ready(self, progress: Callable[[str], None]) -> None:
         app: Celery = make_celery(self.settings)
-        expected = {f"shard{shard}@" for shard in range(len(self.processes))}
+        expected = {f"shard{shard}@" for shard in self.shards}
         started = time.monotonic()
         try:
             while True:
-                for shard, process in enumerate(self.processes):
+                for shard, process in zip(self.shards, self.processes, strict=True):
                     if process.poll() is not None:
                         tail = self.log_path(shard).read_text(errors="replace")[-3000:]
                         raise WorkerStartError(

@@ -7,7 +7,8 @@ It also returns shard load that no unfinished job holds any more (a producer tha
 died, a worker that ended jobs and lost Redis before returning their load). Workers run a
 round every `requeue_interval` seconds; a Redis lock keeps two from running one at a time.
 Everything it reads scales with the unfinished jobs and the queued messages, not with the
-finished jobs.
+finished jobs. Before that, it moves the unfinished jobs of shards whose workers have been
+silent for `shard_timeout` seconds to live shards (`jobsvc.departures`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import redis
 from celery import Celery
 
 from jobsvc.batching import PlacedJob, form_batches
-from jobsvc.keys import RECONCILE_LOCK_KEY, UNACKED_KEY, queue_name
+from jobsvc.departures import RECONCILE_LOCK_SECONDS, ShardMover, dead_shards, reconcile_lock
+from jobsvc.health import read_heartbeats
+from jobsvc.keys import UNACKED_KEY, queue_name
+from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
 from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
@@ -42,6 +46,8 @@ class RoundReport:
     requeued: int = 0
     # Load added (positive) or returned (negative) per shard.
     load_corrected: dict[int, int] = field(default_factory=dict)
+    # Jobs moved off dead shards.
+    moved: int = 0
 
 
 def message_ids(raw_messages: Iterable[bytes]) -> set[str]:
@@ -69,7 +75,8 @@ class Reconciler:
         self._redis = client
         self._store = store
         self._celery = celery
-        self._shard_state = ShardState(client, settings.shards)
+        self._shard_state = ShardState(client)
+        self._mover = ShardMover(settings, client, store, celery)
         # Each shard's store-minus-Redis load difference at the last round: only a difference
         # that persists across two rounds is corrected, since submits and finishing jobs
         # change the two sides a moment apart.
@@ -77,13 +84,40 @@ class Reconciler:
 
     def run_round(self) -> RoundReport:
         """One round, unless another reconciler is in one; returns what it changed."""
-        lock = self._redis.lock(RECONCILE_LOCK_KEY, timeout=300, blocking=False)
+        lock = reconcile_lock(self._redis, wait=False)
         if not lock.acquire():
             return RoundReport()
         try:
-            return RoundReport(self._requeue_stranded(), self._correct_load())
+            moved = self._move_off_dead_shards()
+            return RoundReport(self._requeue_stranded(), self._correct_load(), moved)
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                # Held past its timeout: another reconciler may have begun a round meanwhile,
+                # which sends a message twice at worst (a job runs under its latest one).
+                log.warning("a reconciliation round outlasted its %d s lock",
+                            RECONCILE_LOCK_SECONDS)
+
+    def _move_off_dead_shards(self) -> int:
+        workers = read_heartbeats(self._redis)
+        try:
+            live = live_shard_ids(workers, read_draining(self._redis), self._settings.shards)
+        except NoLiveShard:
+            return 0
+        timeout = self._settings.shard_timeout
+        moved = 0
+        for shard in sorted(dead_shards(workers, self._store.active_load(), live, timeout)):
+            # Jobs on a shard no worker ever reported for may have been routed there a moment
+            # ago (producers assume the configured shards until one reports): they wait a
+            # timeout too.
+            moved += self._mover.move(shard, unclaimed_only=False,
+                                      waited_s=None if shard in workers else timeout)
+            self._mover.forget(shard)
+            # Its messages now match no job (a job still there moves in a later round), and
+            # nothing consumes them: an empty queue is not taken for work waiting.
+            self._redis.delete(queue_name(shard))
+        return moved
 
     def _live_messages(self, shards: Iterable[int]) -> set[str]:
         with self._redis.pipeline(transaction=True) as pipe:

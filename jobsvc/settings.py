@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.health import ALIVE_SECONDS
 from jobsvc.routing.cost import DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
@@ -90,6 +92,11 @@ class Settings:
     # Seconds a job's message may be missing before the job counts as stranded: longer than a
     # submit takes between recording its jobs and enqueueing them.
     stranded_grace: int = 30
+    # Seconds a shard's worker may be silent before the shard counts as dead: its unfinished
+    # jobs are routed again to live shards and its routing state is forgotten.
+    shard_timeout: int = 60
+    # The host name a worker gives in its heartbeat and Celery name; empty: the machine's.
+    worker_host: str = ""
     # Largest accepted queue message after decompression, in bytes.
     max_message_bytes: int = 256 * 1024 * 1024
     flower_port: int = 5555
@@ -113,6 +120,10 @@ class Settings:
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or EMBEDDED_DATABASE_URL
+
+    @property
+    def resolved_worker_host(self) -> str:
+        return self.worker_host or socket.gethostname()
 
     @property
     def resolved_dtype(self) -> str:
@@ -151,6 +162,11 @@ class Settings:
         if self.stranded_grace < 1 or self.max_stop_chars < 1 or self.max_job_bytes < 1024:
             raise ConfigurationError("JOBSVC_STRANDED_GRACE and JOBSVC_MAX_STOP_CHARS must be "
                                      ">= 1 and JOBSVC_MAX_JOB_BYTES >= 1024")
+        if self.shard_timeout < ALIVE_SECONDS:
+            # Shorter, a draining worker between two heartbeats could count as dead and have
+            # the jobs it runs moved.
+            raise ConfigurationError(f"JOBSVC_SHARD_TIMEOUT must be >= {ALIVE_SECONDS:.0f} "
+                                     "(three missed heartbeats)")
         if self.routing not in POLICY_NAMES:
             raise ConfigurationError(f"JOBSVC_ROUTING={self.routing!r} is not one of "
                                      f"{', '.join(POLICY_NAMES)}")

@@ -9,6 +9,13 @@ send it: nothing finishes while jobs are routed, outstanding work only grows, an
 from the policy (its load weight and bound). With an arrival rate, job i arrives at i / rate
 and a shard's outstanding work is what its server has left then.
 
+Shards may join and leave mid-run (`FleetChange`): the policy follows the live set as the
+service's routers do (dense indices over the live shard numbers, a departed shard's state
+forgotten, `RoutingPolicy.reindex`); a shard that leaves finishes what it was given, one that
+joins starts with an empty cache. Per change the report gives the share of documents asked
+again after it that went to another shard than before, next to the 1/N floor, and the hit
+rate of the jobs before and after it.
+
 Workloads are generated as block-id chains (ints, no tokenizer) or read from a JSONL file of
 jobs, tokenized and hashed the way the client does it.
 """
@@ -23,7 +30,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,71 @@ Job = tuple[Sequence[int], int, int]
 
 class WorkloadError(JobsvcError):
     """A workload could not be built or read."""
+
+
+@dataclass(frozen=True)
+class FleetChange:
+    """A shard joining or leaving before job number `at_job` (0-based) is routed."""
+
+    at_job: int
+    kind: str
+    shard: int
+
+
+FLEET_CHANGE_KINDS = ("join", "leave")
+
+
+def parse_changes(text: str) -> list[FleetChange]:
+    """`KIND:SHARD@JOB,...`, e.g. `leave:3@250000,join:64@500000`."""
+    changes = []
+    for part in filter(None, (item.strip() for item in text.split(","))):
+        kind, _, rest = part.partition(":")
+        shard, _, at_job = rest.partition("@")
+        if kind not in FLEET_CHANGE_KINDS or not shard.isdigit() or not at_job.isdigit():
+            raise WorkloadError(f"fleet change {part!r} is not KIND:SHARD@JOB with KIND one of "
+                                f"{', '.join(FLEET_CHANGE_KINDS)} (e.g. leave:3@1000)")
+        changes.append(FleetChange(int(at_job), kind, int(shard)))
+    return sorted(changes, key=lambda change: change.at_job)
+
+
+def changed_fleet(live: Sequence[int], change: FleetChange) -> list[int]:
+    """The live shard numbers after a change, in order."""
+    if change.kind == "join":
+        if change.shard in live:
+            raise WorkloadError(f"shard {change.shard} joins at job {change.at_job} but is live")
+        return sorted([*live, change.shard])
+    if change.shard not in live or len(live) == 1:
+        raise WorkloadError(f"shard {change.shard} leaves at job {change.at_job} but is not "
+                            "live, or is the last live shard")
+    return [shard for shard in live if shard != change.shard]
+
+
+@dataclass
+class _ChangeWindow:
+    """What the jobs routed between one fleet change and the next did."""
+
+    change: FleetChange | None
+    shards: int
+    # Documents routed before the change, by the shard they went to then.
+    placed_before: dict[int, int]
+    asked_again: int = 0
+    remapped: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def report(self, hit_rate_before: float | None) -> dict[str, Any]:
+        assert self.change is not None
+        # A shard that leaves must give up its documents; one that joins must draw its share.
+        floor = 1 / (self.shards + 1 if self.change.kind == "leave" else self.shards)
+        return {**asdict(self.change), "shards_after": self.shards,
+                "documents_asked_again": self.asked_again,
+                "remapped_share": self.remapped / self.asked_again if self.asked_again else 0.0,
+                "floor": floor, "hit_rate_before": hit_rate_before,
+                "hit_rate_after": self.hit_rate}
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 @dataclass(frozen=True)
@@ -163,7 +235,8 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
                    prefill_cost: int = DEFAULT_PREFILL_COST,
                    decode_cost: float = DEFAULT_DECODE_COST,
                    arrival_rate: float | None = None, weight: float = DEFAULT_WEIGHT,
-                   epsilon: float = DEFAULT_EPSILON) -> dict[str, Any]:
+                   epsilon: float = DEFAULT_EPSILON,
+                   changes: Sequence[FleetChange] = ()) -> dict[str, Any]:
     """Route every job with `policy`, serve it on its shard, and report hits, balance and time.
 
     The router is told each shard's cache size, as workers report it; its own estimate of what
@@ -173,20 +246,35 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
     started = time.perf_counter()
     router = make_policy(policy, shards, block_size=workload.block_size,
                          capacity_blocks=cache_blocks, weight=weight, epsilon=epsilon)
-    choose, charge, loads = router.choose, router.charge, router.loads
-    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(shards)]
+    choose, charge = router.choose, router.charge
+    # Shard numbers ever used; the policy picks an index into `live`.
+    numbers = max([shards - 1, *(change.shard for change in changes)]) + 1
+    live = list(range(shards))
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(numbers)]
     seen = bytearray(workload.block_ids)
     block_size = workload.block_size
-    shard_jobs = [0] * shards
-    shard_work = [0] * shards
+    shard_jobs = [0] * numbers
+    shard_work = [0] * numbers
     # When each shard's server will have run everything queued on it so far.
-    done_at = [0.0] * shards
+    done_at = [0.0] * numbers
     now = 0.0
     jobs = hit_tokens = ideal_tokens = prompt_total = 0
+    pending = list(changes)
+    # Each document's shard (by its chain's last block), kept only to measure remapping.
+    placed: dict[int, int] | None = {} if changes else None
+    windows = [_ChangeWindow(None, shards, {})]
     for jobs, (chain, prompt_tokens, output_tokens) in enumerate(workload.jobs, 1):
+        while pending and pending[0].at_job < jobs:
+            change = pending.pop(0)
+            after = changed_fleet(live, change)
+            router.reindex([live.index(shard) if shard in live else None for shard in after])
+            caches[change.shard] = OrderedDict()
+            live = after
+            windows.append(_ChangeWindow(change, len(live), dict(placed or {})))
         if arrival_rate is not None:
             now = (jobs - 1) / arrival_rate
-            loads[:] = [int(end - now) if end > now else 0 for end in done_at]
+            router.loads[:] = [int(done_at[shard] - now) if done_at[shard] > now else 0
+                               for shard in live]
         length = len(chain)
         ideal = 0
         while ideal < length and seen[chain[ideal]]:
@@ -194,7 +282,8 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
         for block in chain[ideal:]:
             seen[block] = 1
 
-        shard = choose(chain, prompt_tokens)
+        index = choose(chain, prompt_tokens)
+        shard = live[index]
         cache = caches[shard]
         cached = 0
         while cached < length and chain[cached] in cache:
@@ -209,16 +298,29 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
 
         work = ((prompt_tokens - cached * block_size) * prefill_cost
                 + decode_load(output_tokens, decode_cost))
-        charge(shard, work)
+        charge(index, work)
         shard_jobs[shard] += 1
         shard_work[shard] += work
         done_at[shard] = max(done_at[shard], now) + work
         hit_tokens += cached * block_size
         ideal_tokens += ideal * block_size
         prompt_total += prompt_tokens
+        if placed is not None and chain:
+            window = windows[-1]
+            window.hit_tokens += cached * block_size
+            window.prompt_tokens += prompt_tokens
+            before = window.placed_before.pop(chain[-1], None)
+            if before is not None:
+                window.asked_again += 1
+                window.remapped += before != shard
+            placed[chain[-1]] = shard
     if not jobs:
         raise WorkloadError(f"workload {workload.name!r} has no jobs")
-    mean_work = sum(shard_work) / shards
+    if pending:
+        raise WorkloadError(f"fleet change at job {pending[0].at_job} is beyond the "
+                            f"workload's {jobs} jobs")
+    served = [work for work in shard_work if work] or [0]
+    mean_work = sum(served) / len(served) if changes else sum(shard_work) / shards
     return {
         "policy": policy, "workload": workload.name, "shards": shards, "jobs": jobs,
         "block_size": block_size, "cache_blocks": cache_blocks,
@@ -229,6 +331,9 @@ def run_simulation(workload: Workload, *, shards: int, policy: str, cache_blocks
         "shard_jobs": shard_jobs, "shard_work": shard_work,
         "load_max_over_mean": max(shard_work) / mean_work if mean_work else 1.0,
         "makespan": max(done_at),
+        "router_state_entries": router.state_entries(),
+        "fleet_changes": [window.report(previous.hit_rate)
+                          for previous, window in pairwise(windows)],
         "seconds": time.perf_counter() - started,
     }
 
@@ -257,6 +362,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float,
                         help="cache_aware: cost per unit of outstanding work "
                              "(default: JOBSVC_ROUTING_LOAD_WEIGHT)")
+    parser.add_argument("--changes", default="",
+                        help="shards joining and leaving mid-run: KIND:SHARD@JOB,... with KIND "
+                             "join or leave, e.g. leave:3@250000,join:64@500000")
     parser.add_argument("--epsilon", type=float,
                         help="cache_aware: load bound slack over the mean "
                              "(default: JOBSVC_ROUTING_LOAD_SLACK)")
@@ -296,7 +404,8 @@ def run_from_args(settings: Settings, args: argparse.Namespace) -> dict[str, Any
         decode_cost=_or_setting(args.decode_cost, settings.routing_decode_cost),
         arrival_rate=args.arrival_rate,
         weight=_or_setting(args.weight, settings.routing_load_weight),
-        epsilon=_or_setting(args.epsilon, settings.routing_load_slack))
+        epsilon=_or_setting(args.epsilon, settings.routing_load_slack),
+        changes=parse_changes(args.changes))
     report["shape"] = asdict(shape) if shape else None
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

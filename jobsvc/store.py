@@ -46,7 +46,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
-from jobsvc.routing.cost import loads_per_shard
+from jobsvc.routing.cost import Route, loads_per_shard
 from jobsvc.schema import FINISHED_STATUSES, BatchMessage, JobStatus
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,20 @@ class Cancelled:
 def _load_by_shard(rows: Any) -> dict[int, int]:
     """Sum (shard, load) rows: what jobs that just finished return to their shards."""
     return loads_per_shard((shard, int(load)) for shard, load in rows)
+
+
+@dataclass(frozen=True)
+class MovableJob:
+    """An unfinished job on a shard that is leaving, with what routing it again needs."""
+
+    job_id: str
+    document_key: str
+    # The document's tokens; its text where no tokens were kept; None where neither reads back.
+    document: tuple[int, ...] | str | None
+    prompt_tokens: int
+    max_tokens: int
+    # What its current shard was charged for it.
+    load: int
 
 
 @dataclass(frozen=True)
@@ -541,6 +555,51 @@ class Store:
             for shard, job_id in connection.execute(query):
                 stranded.setdefault(shard, []).append(job_id)
         return stranded
+
+    def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
+                      enqueued_before: datetime | None, limit: int) -> list[MovableJob]:
+        """Unfinished jobs on a shard that is leaving (all, or only those no worker has
+        claimed), oldest first, with what routing them again needs."""
+        query = select(Job.id, Job.document_key, Job.prompt_tokens, Job.sampling, Job.load).where(
+            Job.shard == shard, Job.status.in_(_ACTIVE))
+        if unclaimed_only:
+            query = query.where(Job.worker.is_(None), Job.status == JobStatus.QUEUED.value)
+        if enqueued_before is not None:
+            query = query.where(or_(Job.enqueued_at.is_(None), Job.enqueued_at < enqueued_before))
+        with self._reads.connect() as connection:
+            rows = connection.execute(query.order_by(Job.submitted_at).limit(limit)).all()
+            documents = self._documents(connection, {row.document_key for row in rows})
+        return [MovableJob(row.id, row.document_key, documents.get(row.document_key),
+                           row.prompt_tokens, int(row.sampling.get("max_tokens", 0)), row.load)
+                for row in rows]
+
+    def move_jobs(self, shard: int, messages: Sequence[BatchMessage],
+                  routes: Mapping[str, Route], *, unclaimed_only: bool) -> set[str]:
+        """Hand jobs still unfinished on `shard` (and unclaimed, if asked) to new messages on
+        the shards `routes` chose, with the loads charged there; the old messages then match
+        none of them. Returns the IDs of the jobs moved: a job that ended or was claimed
+        meanwhile stays where it is."""
+        now = utcnow()
+        # Statuses spelled out: an IN list cannot be bound once per row of an executemany.
+        statement = update(Job).where(
+            Job.id == bindparam("b_id"), Job.shard == shard,
+            or_(*(Job.status == status for status in _ACTIVE)))
+        if unclaimed_only:
+            statement = statement.where(Job.worker.is_(None),
+                                        Job.status == JobStatus.QUEUED.value)
+        statement = statement.values(
+            shard=bindparam("b_shard"), message_id=bindparam("b_message_id"),
+            estimated_prefill=bindparam("b_prefill"), load=bindparam("b_load"),
+            status=JobStatus.QUEUED.value, worker=None, enqueued_at=now)
+        rows = [{"b_id": job_id, "b_shard": message.shard, "b_message_id": message.message_id,
+                 "b_prefill": routes[job_id].estimated_prefill, "b_load": routes[job_id].load}
+                for message in messages for job_id in message.job_ids]
+        if not rows:
+            return set()
+        with self.engine.begin() as connection:
+            connection.execute(statement, rows)
+            return set(connection.scalars(select(Job.id).where(self._among(
+                Job.message_id, [message.message_id for message in messages]))))
 
     def assign_messages(self, messages: Sequence[BatchMessage]) -> None:
         """Hand unfinished jobs to new messages, which alone may run them from now on; a job

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
@@ -26,10 +26,11 @@ from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Result, Store, utcnow
+from jobsvc.store import Job, Store, utcnow
 from jobsvc.transport import make_celery, publish
 from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE
+from tests.fault_tally import kill_tree, tally
 from tests.servers import PrivatePostgres, PrivateRedis
 
 pytestmark = pytest.mark.faults
@@ -82,31 +83,8 @@ def _wait_until_finished(client: Client, ids: list[str], count: int) -> None:
 
 
 def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
-    """Wait for every job to finish (bounded), then count endings; record a table row."""
-    client = harness.client
-    deadline = time.monotonic() + FINISH_TIMEOUT
-    while client.pending(ids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    records = [client.get(job_id) for job_id in ids]
-    store = Store(harness.settings.resolved_database_url)
-    with store.engine.connect() as connection:
-        result_rows = connection.execute(
-            select(func.count()).select_from(Result).where(Result.job_id.in_(ids))
-        ).scalar_one()
-    store.dispose()
-    counts = {status: sum(r.status is status for r in records) for status in JobStatus}
-    row = {
-        "scenario": scenario,
-        "submitted": len(ids),
-        "succeeded": counts[JobStatus.SUCCEEDED],
-        "failed": counts[JobStatus.FAILED],
-        "cancelled": counts[JobStatus.CANCELLED],
-        "lost": counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING],
-        # Every succeeded job has exactly one result row and no other job has one.
-        "duplicated": result_rows - counts[JobStatus.SUCCEEDED],
-    }
-    FAULT_TABLE.append(row)
-    return row
+    return tally(harness.client, harness.settings.resolved_database_url, scenario, ids,
+                 FINISH_TIMEOUT)
 
 
 def _engine_core(harness: Harness) -> psutil.Process:
@@ -252,19 +230,12 @@ def test_redis_restart_mid_burst_requeues_what_it_lost(harness: Harness) -> None
     assert all(process.poll() is None for process in harness.workers.processes)
 
 
-def _kill_tree(process: psutil.Process) -> None:
-    members = [process, *process.children(recursive=True)]
-    for member in members:
-        member.send_signal(signal.SIGKILL)
-    psutil.wait_procs(members, timeout=30)
-
-
 def test_kill_9_of_a_worker_mid_burst_delivers_its_batches_again(harness: Harness) -> None:
     client = harness.client
     ids = _burst(client, 48, seed=105, max_tokens=48)
     _wait_until_finished(client, ids, 4)
     worker = harness.workers.processes[0]
-    _kill_tree(psutil.Process(worker.pid))
+    kill_tree(psutil.Process(worker.pid))
     worker.wait()
     harness.workers.processes.clear()
     harness.workers.start()

@@ -65,8 +65,7 @@ def test_two_submits_racing_with_one_key_make_one_job_and_leave_no_load_behind(
     assert len(ids) == 2 and ids[0] == ids[1]
     assert jobs_with_key(store, key) == 1
     # The shards carry the one job's charge: the loser returned its own.
-    state = ShardState(redis.Redis.from_url(routing_settings.redis_url),
-                       routing_settings.shards)
+    state = ShardState(redis.Redis.from_url(routing_settings.redis_url))
     with store.engine.connect() as connection:
         shard, load = connection.execute(select(Job.shard, Job.load).where(
             Job.id == ids[0])).one()

@@ -30,7 +30,7 @@ _GATHER_SECONDS = 60.0
 @contextmanager
 def _running_recorder(store: Store, settings: Settings) -> Iterator[ResultRecorder]:
     client = redis.Redis.from_url(settings.redis_url)
-    recorder = ResultRecorder(store, ShardState(client, settings.shards), CacheFeedback(client),
+    recorder = ResultRecorder(store, ShardState(client), CacheFeedback(client),
                               block_size=16, gather_seconds=_GATHER_SECONDS)
     recorder.start()
     try:

@@ -83,7 +83,7 @@ def test_every_policy_has_a_redis_backed_router() -> None:
 def _router(settings: Settings, policy: str = "cache_aware", **changes: object) -> Router:
     routed = replace(settings, routing=policy, block_size=4, **changes)
     broker = redis.Redis.from_url(routed.redis_url)
-    return make_router(broker, ShardState(broker, routed.shards), routed)
+    return make_router(broker, ShardState(broker), routed)
 
 
 def _doc(first: int, blocks: int = 4, body: int | None = None) -> DocumentKeys:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
+import redis
+
 from jobsvc.errors import ConfigurationError
+from jobsvc.health import SeenWorker, read_heartbeats
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
 
@@ -126,12 +129,51 @@ def autogroups_enabled() -> bool:
         return False
 
 
+def held_elsewhere(seen: SeenWorker, host: str, pid: int,
+                   running: Callable[[int], bool]) -> bool:
+    """Whether the worker whose heartbeat this is holds the shard: it is alive and is not an
+    earlier, ended process of this host (a crashed worker restarted at once, or a container
+    restarted with the same name and process ID)."""
+    if not seen.alive:
+        return False
+    other = seen.heartbeat
+    return other.host != host or (other.pid != pid and running(other.pid))
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def refuse_held_shard(settings: Settings, shard: int) -> None:
+    """Shard numbers are unique across the fleet: refuse to start under one that a live worker
+    on any host holds."""
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    try:
+        seen = read_heartbeats(client).get(shard)
+    finally:
+        client.close()
+    if seen is not None and held_elsewhere(seen, settings.resolved_worker_host, os.getpid(),
+                                           _process_running):
+        other = seen.heartbeat
+        raise ConfigurationError(
+            f"shard {shard} is held by worker {other.worker} (host {other.host}, pid "
+            f"{other.pid}), last heard from {seen.age_s:.0f} s ago; start this worker under an "
+            "unused shard number, or stop that one first")
+
+
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     bind_device(settings, device)
     keep_to_device(device)
     yield_to_helpers(settings.worker_nice)
     from workers.celery_app import create_worker_app, worker_name
 
+    refuse_held_shard(settings, shard)
     app = create_worker_app(settings, shard)
     from celery.bin.celery import celery as celery_command
 
@@ -140,7 +182,8 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     next(option for option in celery_command.params if option.name == "app").default = app
     exit_code = celery_command.main(args=[
         "worker", "--queues", queue_name(shard), "--pool", "threads",
-        "--concurrency", str(settings.worker_concurrency), "--hostname", worker_name(shard),
+        "--concurrency", str(settings.worker_concurrency),
+        "--hostname", worker_name(shard, settings.resolved_worker_host),
         "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
         "--heartbeat-interval", str(HEARTBEAT_SECONDS),
     ], standalone_mode=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
+import signal
 import threading
 import time
 from typing import Any
@@ -16,6 +16,7 @@ import redis
 from celery import Celery, signals
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobsvc.departures import ShardMover, rejoin
 from jobsvc.keys import CANCEL_CHANNEL, queue_name
 from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
@@ -28,6 +29,7 @@ from jobsvc.transport import RUN_BATCH_TASK, make_celery
 from workers import broker_fixes
 from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
+from workers.drain import DrainWatch
 from workers.engine import EngineAdapter, Pacing, engine_args
 from workers.heartbeat import BatchActivity, HeartbeatKeeper
 from workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
@@ -38,8 +40,8 @@ from workers.recorder import ResultRecorder
 log = logging.getLogger(__name__)
 
 
-def worker_name(shard: int) -> str:
-    return f"shard{shard}@{socket.gethostname()}"
+def worker_name(shard: int, host: str) -> str:
+    return f"shard{shard}@{host}"
 
 
 EXIT_ENGINE_DEAD = 70
@@ -63,16 +65,23 @@ class WorkerRuntime:
         self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
                                     on_engine_dead=self._engine_died)
         self._feedback = CacheFeedback(self._redis)
-        self._recorder = ResultRecorder(self._store, ShardState(self._redis, settings.shards),
+        self._recorder = ResultRecorder(self._store, ShardState(self._redis),
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
-        self._reconciler = Reconciler(settings, self._redis, self._store, make_celery(settings))
+        self._control = make_celery(settings)
+        self._reconciler = Reconciler(settings, self._redis, self._store, self._control)
         self.activity = BatchActivity()
-        self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, worker_name(shard),
-                                          self.activity)
+        self.name = worker_name(shard, settings.resolved_worker_host)
+        self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, self.name, self.activity)
+        self._drain = DrainWatch(self._redis, shard, self.activity,
+                                 ShardMover(settings, self._redis, self._store, self._control),
+                                 stop_consuming=self._stop_consuming,
+                                 shut_down=lambda: os.kill(os.getpid(), signal.SIGTERM))
         self._stopped = threading.Event()
         self._background = [
+            threading.Thread(target=self._drain.run, args=(self._stopped,), name="drain-watch",
+                             daemon=True),
             threading.Thread(target=self._listen_for_cancels, name="cancel-listener",
                              daemon=True),
             threading.Thread(target=self._reconcile, name="reconciler", daemon=True),
@@ -83,11 +92,13 @@ class WorkerRuntime:
         self._heartbeat.start(metrics_port=serve_metrics(self.settings, self.shard))
         self.engine.start()
         self._heartbeat.engine_started()
-        # A fresh engine holds nothing: the router forgets its estimate for this shard.
+        # A fresh engine holds nothing: the router forgets its estimate for this shard, which
+        # takes work again even if it had left the fleet or was being drained.
         self._feedback.engine_started(self.shard, self.engine.cache_blocks)
+        rejoin(self._redis, self.shard)
         self._recorder.start()
         self.leases.start()
-        self.runner = BatchRunner(shard=self.shard, worker_name=worker_name(self.shard),
+        self.runner = BatchRunner(shard=self.shard, worker_name=self.name,
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder, prompts=self.prompts,
                                   max_attempts=self.settings.max_attempts, hooks=self.hooks)
@@ -102,6 +113,12 @@ class WorkerRuntime:
         self._recorder.stop()
         self.engine.shutdown()
         self._store.dispose()
+
+    def _stop_consuming(self) -> None:
+        """Take no more messages from the shard queue (asked through Celery's remote
+        control, which the worker's own consumer carries out)."""
+        self._control.control.cancel_consumer(queue_name(self.shard), destination=[self.name],
+                                              reply=True, timeout=10)
 
     def _engine_died(self, error: BaseException) -> None:
         # Exit without acknowledging anything: the batches in flight return to the queue

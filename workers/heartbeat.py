@@ -56,6 +56,8 @@ class HeartbeatKeeper:
                                            socket_connect_timeout=_REDIS_TIMEOUT_SECONDS)
         self._shard = shard
         self._worker = worker
+        # Celery names a worker name@host: the host part is the one the fleet knows it by.
+        self._host = worker.partition("@")[2] or socket.gethostname()
         self._activity = activity
         self._started = time.monotonic()
         self._engine_ready = False
@@ -83,7 +85,7 @@ class HeartbeatKeeper:
 
     def _record(self, *, stopped: bool = False) -> Heartbeat:
         in_flight, since_last = self._activity.now()
-        return Heartbeat(shard=self._shard, worker=self._worker, host=socket.gethostname(),
+        return Heartbeat(shard=self._shard, worker=self._worker, host=self._host,
                          pid=os.getpid(), up_s=time.monotonic() - self._started,
                          engine_ready=self._engine_ready and not stopped,
                          batches_in_flight=in_flight, last_batch_finished_s=since_last,

@@ -76,6 +76,19 @@ class RoutingPolicy(ABC):
         attract every new document."""
         self.loads[shard] = max(0, self.loads[shard] - work)
 
+    def reindex(self, sources: Sequence[int | None]) -> None:
+        """Follow a change of the shard set: new index i is old index `sources[i]`, or a shard
+        that joined (None) and starts idle and empty. What a departed shard held is forgotten,
+        as the Redis-backed routers forget it (`routing.router.forget_shard`)."""
+        if not sources:
+            raise ConfigurationError("a routing policy needs at least one shard, got 0")
+        self.loads = [0 if old is None else self.loads[old] for old in sources]
+
+    def state_entries(self) -> int:
+        """Entries of routing state this policy keeps (what the shared state in Redis holds
+        for it): one load per shard, plus what the policy remembers of documents."""
+        return len(self.loads)
+
 
 class RoundRobinPolicy(RoutingPolicy):
     """The baseline that ignores both prefixes and load."""
@@ -91,6 +104,10 @@ class RoundRobinPolicy(RoutingPolicy):
         shard = self.next_shard
         self.next_shard = (shard + 1) % len(self.loads)
         return shard
+
+    def reindex(self, sources: Sequence[int | None]) -> None:
+        super().reindex(sources)
+        self.next_shard %= len(self.loads)
 
 
 class AffinityPolicy(RoutingPolicy):
@@ -119,6 +136,15 @@ class AffinityPolicy(RoutingPolicy):
             return Placement(shard, False)
         shard = self.shard_of[key] = least_loaded(self.loads)
         return Placement(shard, True)
+
+    def reindex(self, sources: Sequence[int | None]) -> None:
+        super().reindex(sources)
+        new_index = {old: new for new, old in enumerate(sources) if old is not None}
+        self.shard_of = {key: new_index[old] for key, old in self.shard_of.items()
+                         if old in new_index}
+
+    def state_entries(self) -> int:
+        return super().state_entries() + len(self.shard_of)
 
     def place_documents(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
         """Place one submit's documents in turn, each charged with all of its jobs before the
@@ -157,6 +183,8 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ConfigurationError(
                 f"weight and epsilon must be >= 0, got {weight} and {epsilon}")
         self.block_size = block_size
+        # What a shard that joins is assumed to hold until its worker reports.
+        self.default_capacity = capacity_blocks
         self.weight = weight
         self.epsilon = epsilon
         # Blocks each shard is estimated to hold, least recently used first.
@@ -254,6 +282,27 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ConfigurationError(f"shard {shard} reported a cache of {capacity_blocks} blocks")
         self.reported_capacity[shard] = self.capacity[shard] = capacity_blocks
         self._evict(shard)
+
+    def reindex(self, sources: Sequence[int | None]) -> None:
+        default = self.default_capacity
+        super().reindex(sources)
+        self.held = [OrderedDict() if old is None else self.held[old] for old in sources]
+        self.capacity = [default if old is None else self.capacity[old] for old in sources]
+        self.reported_capacity = [default if old is None else self.reported_capacity[old]
+                                  for old in sources]
+        self.unseen = [0 if old is None else self.unseen[old] for old in sources]
+        new_index = {old: new for new, old in enumerate(sources) if old is not None}
+        holders: dict[Hashable, set[int]] = {}
+        for block, shards in self.holders.items():
+            kept = {new_index[old] for old in shards if old in new_index}
+            if kept:
+                holders[block] = kept
+        self.holders = holders
+
+    def state_entries(self) -> int:
+        """Loads and capacities, every block estimated held, and the index of first blocks."""
+        return (super().state_entries() + 2 * len(self.capacity)
+                + sum(len(held) for held in self.held) + len(self.holders))
 
     def forget(self, shard: int, blocks: Sequence[Hashable] | None = None) -> None:
         """Drop blocks the shard reports evicted, or everything when it restarted."""

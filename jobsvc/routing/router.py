@@ -10,13 +10,17 @@ router has learned); a producer holds a short Redis lock while it reads that sta
 and writes it back, so two producers never decide on stale state. `plan` gives the choices a
 router makes on an idle cluster with empty caches, without Redis: the benchmark's standalone
 arm follows it.
+
+Routers route to the live shards (`routing.live`): each policy decides over indices 0..n-1 of
+the live set, and the router maps index i to the i-th live shard number.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import redis
 
@@ -40,6 +44,7 @@ from jobsvc.routing.cost import (
     estimated_routes,
     loads_per_shard,
 )
+from jobsvc.routing.live import LiveShards
 from jobsvc.routing.policies import (
     AffinityPolicy,
     CacheAwarePolicy,
@@ -48,7 +53,7 @@ from jobsvc.routing.policies import (
     RoutingPolicy,
     policy_class,
 )
-from jobsvc.routing.state import ShardState, parse_loads
+from jobsvc.routing.state import ShardState, loads_of
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,7 @@ class Router(ABC):
         self._state = state
         self.shards = settings.shards
         self.settings = settings
+        self._live = LiveShards(client, settings.shards)
 
     @abstractmethod
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
@@ -70,15 +76,21 @@ class Router(ABC):
 
     @abstractmethod
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
-        """The shards `route` picks for these jobs on an idle cluster with empty caches."""
+        """The shards `route` picks for these jobs on an idle cluster of the configured shards
+        with empty caches."""
+
+    def live_shards(self) -> tuple[int, ...]:
+        """The shards this router routes to now (read at most every `LIVE_SET_SECONDS`)."""
+        return self._live.shards()
 
 
 class RoundRobinRouter(Router):
     """`RoundRobinPolicy` dealing from one count of jobs that all producers share."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        live = self.live_shards()
         end = int(self._redis.incrby(ROUND_ROBIN_KEY, len(jobs)))
-        routes = _deal(RoundRobinPolicy(self.shards, first=end - len(jobs)), jobs)
+        routes = _on_shards(_deal(RoundRobinPolicy(len(live), first=end - len(jobs)), jobs), live)
         self._state.charge(loads_per_shard((route.shard, route.load) for route in routes))
         return routes
 
@@ -91,13 +103,17 @@ class AffinityRouter(Router):
     submit's documents in one read and one write."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        live = self.live_shards()
         demands = document_demands(jobs)
-        placed, loads = self._state.placements_and_loads(
-            [demand.prefix_key for demand in demands])
-        policy = AffinityPolicy(self.shards)
+        placed, departed, loads = self._state.placements_and_loads(
+            [demand.prefix_key for demand in demands], live)
+        index = {shard: position for position, shard in enumerate(live)}
+        policy = AffinityPolicy(len(live))
         policy.loads[:] = loads
-        policy.shard_of.update(placed)
-        placements = self._state.claim(demands, policy.place_documents(demands))
+        policy.shard_of.update({key: index[shard] for key, shard in placed.items()})
+        chosen = [replace(placement, shard=live[placement.shard])
+                  for placement in policy.place_documents(demands)]
+        placements = self._state.claim(demands, chosen, departed)
         return _placed_routes(jobs, demands, placements)
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
@@ -118,9 +134,10 @@ class CacheAwareRouter(Router):
                 f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing was "
                 "enqueued, submit again")
         try:
-            policy, clock = self._load(jobs)
-            routes = policy.route_jobs(jobs)
-            self._save(jobs, routes, clock, policy.capacity)
+            live = self.live_shards()
+            policy, clock = self._load(jobs, live)
+            routes = _on_shards(policy.route_jobs(jobs), live)
+            self._save(jobs, routes, clock, dict(zip(live, policy.capacity, strict=True)))
         finally:
             try:
                 lock.release()
@@ -131,17 +148,19 @@ class CacheAwareRouter(Router):
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
-        return [route.shard for route in self._policy().route_jobs(jobs)]
+        return [route.shard for route in self._policy(self.shards).route_jobs(jobs)]
 
-    def _policy(self) -> CacheAwarePolicy:
-        return CacheAwarePolicy(self.shards, block_size=self.settings.block_size,
+    def _policy(self, shards: int) -> CacheAwarePolicy:
+        return CacheAwarePolicy(shards, block_size=self.settings.block_size,
                                 capacity_blocks=DEFAULT_CAPACITY_BLOCKS,
                                 weight=self.settings.routing_load_weight,
                                 epsilon=self.settings.routing_load_slack)
 
-    def _load(self, jobs: Sequence[RoutingJob]) -> tuple[CacheAwarePolicy, int]:
-        """The policy seeded with what the shards hold of these jobs' chains, their loads and
-        capacities; and the recency clock reserved for the blocks this submit touches.
+    def _load(self, jobs: Sequence[RoutingJob], live: Sequence[int]
+              ) -> tuple[CacheAwarePolicy, int]:
+        """The policy over the live shards (by index) seeded with what they hold of these
+        jobs' chains, their loads and capacities; and the recency clock reserved for the blocks
+        this submit touches.
         Two round trips: everything but the chains, then the chains whose first block a
         shard holds."""
         chains = list({job.keys.blocks: None for job in jobs if job.keys.blocks})
@@ -151,37 +170,37 @@ class CacheAwareRouter(Router):
             pipe.incrby(CACHE_CLOCK_KEY, touched)
             pipe.hgetall(CAPACITY_KEY)
             pipe.hgetall(LOAD_KEY)
-            for shard in range(self.shards):
+            for shard in live:
                 pipe.zcard(cache_key(shard))
                 if firsts:
                     pipe.zmscore(cache_key(shard), firsts)
             clock, capacities, loads, *per_shard = pipe.execute()
         step = 2 if firsts else 1
         sizes = per_shard[0::step]
-        candidates = [(shard, chain) for shard in range(self.shards) if firsts
-                      for chain, score in zip(chains, per_shard[shard * step + 1], strict=True)
+        candidates = [(index, chain) for index in range(len(live)) if firsts
+                      for chain, score in zip(chains, per_shard[index * step + 1], strict=True)
                       if score is not None]
         with self._redis.pipeline(transaction=False) as pipe:
-            for shard, chain in candidates:
-                pipe.zmscore(cache_key(shard), list(chain))
+            for index, chain in candidates:
+                pipe.zmscore(cache_key(live[index]), list(chain))
             scores = pipe.execute() if candidates else []
-        policy = self._policy()
-        policy.loads[:] = parse_loads(loads, self.shards)
-        for shard in range(self.shards):
+        policy = self._policy(len(live))
+        policy.loads[:] = loads_of(loads, live)
+        for index, shard in enumerate(live):
             learned = capacities.get(str(shard).encode())
             if learned is not None:
-                policy.set_capacity(shard, int(learned))
+                policy.set_capacity(index, int(learned))
         held: dict[int, list[tuple[float, tuple[bytes, ...]]]] = {}
-        for (shard, chain), chain_scores in zip(candidates, scores, strict=True):
+        for (index, chain), chain_scores in zip(candidates, scores, strict=True):
             leading = _leading_held(chain_scores)
-            held.setdefault(shard, []).append((chain_scores[0], chain[:leading]))
-        for shard in range(self.shards):
-            prefixes = [prefix for _, prefix in sorted(held.get(shard, ()))]
-            policy.seed(shard, prefixes, int(sizes[shard]))
+            held.setdefault(index, []).append((chain_scores[0], chain[:leading]))
+        for index in range(len(live)):
+            prefixes = [prefix for _, prefix in sorted(held.get(index, ()))]
+            policy.seed(index, prefixes, int(sizes[index]))
         return policy, int(clock) - touched
 
     def _save(self, jobs: Sequence[RoutingJob], routes: Sequence[Route], clock: int,
-              capacity: Sequence[int]) -> None:
+              capacity: Mapping[int, int]) -> None:
         """Write the touched chains with fresh recency (a chain's first block the freshest, as
         the engine frees a request's blocks tail first), trim each shard to its capacity and
         charge the loads."""
@@ -214,6 +233,25 @@ def reset_routing_state(client: redis.Redis, shards: int) -> None:
         pipe.execute()
 
 
+def forget_shard(client: redis.Redis, shard: int) -> None:
+    """Forget what routing knows of a shard that left the fleet: its load, its cache estimate
+    and capacities, and every affinity entry naming it (one pass over the affinity map; a
+    producer that placed a document there meanwhile loses nothing, the document is placed
+    anew at its next submit)."""
+    name = str(shard)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hdel(LOAD_KEY, name)
+        pipe.delete(cache_key(shard))
+        pipe.hdel(CAPACITY_KEY, name)
+        pipe.hdel(REPORTED_CAPACITY_KEY, name)
+        pipe.execute()
+    named = name.encode()
+    stale = [key for key, value in client.hscan_iter(AFFINITY_KEY, count=10_000)
+             if value == named]
+    for start in range(0, len(stale), 10_000):
+        client.hdel(AFFINITY_KEY, *stale[start:start + 10_000])
+
+
 # The Redis-backed router of each policy.
 ROUTERS: dict[type[RoutingPolicy], type[Router]] = {
     RoundRobinPolicy: RoundRobinRouter,
@@ -230,6 +268,11 @@ def make_router(client: redis.Redis, state: ShardState, settings: Settings) -> R
 def _deal(policy: RoundRobinPolicy, jobs: Sequence[RoutingJob]) -> list[Route]:
     shards = [policy.choose(job.keys.blocks, job.prompt_tokens) for job in jobs]
     return estimated_routes(jobs, shards, held=frozenset())
+
+
+def _on_shards(routes: Sequence[Route], live: Sequence[int]) -> list[Route]:
+    """Routes a policy chose by live-set index, with the shard numbers they stand for."""
+    return [replace(route, shard=live[route.shard]) for route in routes]
 
 
 def _placed_routes(jobs: Sequence[RoutingJob], demands: Sequence[DocumentDemand],

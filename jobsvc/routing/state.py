@@ -3,8 +3,9 @@ has outstanding (in prefill tokens, each job's decode load included), which shar
 document prefix (the affinity map).
 
 Decisions are the pure policies' (`routing.policies`); Redis only makes their state shared.
-A claim in the affinity map is HSETNX, so two producers racing on one new document agree on
-whoever came first.
+A claim in the affinity map sets an entry only where none is, or where the one there names a
+shard that has left the fleet, so two producers racing on one new document agree on whoever
+came first.
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ end
 return 1
 """
 
+# Claims documents in the affinity map: ARGV holds (prefix key, shard, the shard the entry
+# named when it was read, or "" for none) triples; an entry is written only where there is none
+# or it still names what was read. Returns 1 per won claim, 0 per lost one.
+_CLAIM = """
+local won = {}
+for i = 1, #ARGV, 3 do
+  local now = redis.call('HGET', KEYS[1], ARGV[i]) or ''
+  if now == '' or now == ARGV[i + 2] then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    won[#won + 1] = 1
+  else
+    won[#won + 1] = 0
+  end
+end
+return won
+"""
+
 # Moves each shard's load by a correction without going below zero; a value that is no
 # integer a float can hold exactly (written by something else than jobsvc) is replaced by
 # the shard's true load instead.
@@ -44,39 +62,51 @@ return 1
 
 
 class ShardState:
-    def __init__(self, client: redis.Redis, shards: int) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         self._redis = client
-        self._shards = shards
+        self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
         self._correct = client.register_script(_CORRECT)
 
-    def placements_and_loads(self, prefix_keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
-        """The shards already holding any of these documents, and every shard's load, in one
-        round trip. A document placed on a shard beyond today's count counts as new."""
+    def placements_and_loads(self, prefix_keys: Sequence[str], live: Sequence[int]
+                             ) -> tuple[dict[str, int], dict[str, int], list[int]]:
+        """In one round trip: the live shards already holding any of these documents, the
+        shards outside `live` that entries name for others (those documents are placed anew),
+        and the live shards' loads in `live`'s order."""
         with self._redis.pipeline(transaction=False) as pipe:
             pipe.hmget(AFFINITY_KEY, prefix_keys)
             pipe.hgetall(LOAD_KEY)
             known, raw_loads = pipe.execute()
-        placed = {key: int(value) for key, value in zip(prefix_keys, known, strict=True)
-                  if value is not None and int(value) < self._shards}
-        return placed, parse_loads(raw_loads, self._shards)
+        members = set(live)
+        placed: dict[str, int] = {}
+        departed: dict[str, int] = {}
+        for key, value in zip(prefix_keys, known, strict=True):
+            if value is not None and value.isdigit():
+                (placed if int(value) in members else departed)[key] = int(value)
+        return placed, departed, loads_of(raw_loads, live)
 
-    def claim(self, demands: Sequence[DocumentDemand],
-              placements: Sequence[Placement]) -> list[Placement]:
+    def claim(self, demands: Sequence[DocumentDemand], placements: Sequence[Placement],
+              departed: Mapping[str, int] | None = None) -> list[Placement]:
         """Record where the new documents went and charge the shards; returns the placements
-        that hold. Round trips: one; a second only when another producer claimed one of the
-        same new documents first, and then its choice wins."""
+        that hold. `departed`: the shards that entries named, when read, for documents placed
+        anew because those shards left. Round trips: one; a second only when another producer
+        claimed one of the same new documents first, and then its choice wins."""
         keys = [demand.prefix_key for demand in demands]
         placements = list(placements)
+        departed = departed or {}
         claims = [index for index, placement in enumerate(placements) if placement.is_new]
         charges = loads_per_shard((placement.shard, demand.cost(placement.is_new))
                                   for demand, placement in zip(demands, placements, strict=True))
+        claim_args: list[str | int] = []
+        for index in claims:
+            claim_args += [keys[index], placements[index].shard,
+                           str(departed.get(keys[index], ""))]
         with self._redis.pipeline(transaction=False) as pipe:
-            for index in claims:
-                pipe.hsetnx(AFFINITY_KEY, keys[index], placements[index].shard)
+            if claims:
+                self._claim(keys=[AFFINITY_KEY], args=claim_args, client=pipe)
             for shard, tokens in charges.items():
                 pipe.hincrby(LOAD_KEY, str(shard), tokens)
-            won = pipe.execute()[:len(claims)]
+            won = pipe.execute()[0] if claims else []
         lost = [index for index, ok in zip(claims, won, strict=True) if not ok]
         if lost:
             self._defer_to_winners(lost, keys, demands, placements)
@@ -136,7 +166,13 @@ def _load_value(raw: bytes | None) -> int | None:
 
 
 def parse_loads(raw: Mapping[bytes, bytes], shards: int) -> list[int]:
-    """Per-shard outstanding work from the load hash (a missing shard has none; one whose
-    value is not a load counts as full, until reconciliation repairs it)."""
+    """Outstanding work of shards 0..shards-1 from the load hash (`loads_of`)."""
+    return loads_of(raw, range(shards))
+
+
+def loads_of(raw: Mapping[bytes, bytes], shards: Sequence[int]) -> list[int]:
+    """Outstanding work of these shards, in their order, from the load hash (a missing shard
+    has none; one whose value is not a load counts as full, until reconciliation repairs
+    it)."""
     return [_LARGEST_LOAD if (value := _load_value(raw.get(str(shard).encode()))) is None
-            else value for shard in range(shards)]
+            else value for shard in shards]

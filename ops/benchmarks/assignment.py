@@ -64,7 +64,7 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
     bench = Bench(settings, options, print)
     jobs = bench_jobs(options, trial=0)
     shapes = {value: trial_shape(jobs, bench.prompts, make_router(
-                  bench.redis, ShardState(bench.redis, shards),
+                  bench.redis, ShardState(bench.redis),
                   replace(settings, **{SETTINGS[setting]: value})))
               for value in values}
     bursts: dict[float, list[dict[str, float]]] = {value: [] for value in values}

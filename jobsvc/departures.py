@@ -1,0 +1,137 @@
+"""Moving work off shards that leave the fleet: dead ones (a worker silent for
+`JOBSVC_SHARD_TIMEOUT` seconds) and drained ones (`jobsvc drain`).
+
+A job is moved by routing it again through the router (so a document's jobs stay together
+and land on live shards), recording its new shard, message and load in the store, and only
+then publishing the new messages. The store update is conditional on the job still being
+unfinished on the old shard, so a job moves once even if two movers raced; the old shard's
+messages, queued or unacknowledged, then match no job (a claim names shard and message) and
+run nothing. The reconciler moves dead shards' jobs under its lock, and forgets a dead
+shard's routing state (affinity entries, load, cache estimate) once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+
+import redis
+from celery import Celery
+from redis.lock import Lock
+
+from jobsvc.batching import PlacedJob, form_batches
+from jobsvc.health import SeenWorker
+from jobsvc.keys import DEPARTED_KEY, DRAINING_KEY, RECONCILE_LOCK_KEY
+from jobsvc.routing.cost import Route, RoutingJob, decode_load, loads_per_shard
+from jobsvc.routing.prefix import DocumentKeys, document_keys
+from jobsvc.routing.router import forget_shard, make_router
+from jobsvc.routing.state import ShardState
+from jobsvc.settings import Settings
+from jobsvc.store import MovableJob, Store, utcnow
+from jobsvc.transport import publish
+
+log = logging.getLogger(__name__)
+
+# Jobs moved per call; a reconciler round moves at most this many per dead shard.
+MOST_JOBS_PER_MOVE = 10_000
+# Longest anyone holds the reconcile lock. Rounds and moves take seconds at most; a worker
+# killed while it held the lock keeps every other reconciler, and so the move of its own jobs,
+# waiting this long.
+RECONCILE_LOCK_SECONDS = 30
+# Longest a drain waits for a reconciliation round to end before it moves jobs.
+_LOCK_WAIT_SECONDS = 60
+
+
+def reconcile_lock(client: redis.Redis, *, wait: bool) -> Lock:
+    """The lock under which jobs are sent again or moved, one process at a time."""
+    return client.lock(RECONCILE_LOCK_KEY, timeout=RECONCILE_LOCK_SECONDS, blocking=wait,
+                       blocking_timeout=_LOCK_WAIT_SECONDS if wait else None)
+
+
+def dead_shards(workers: Mapping[int, SeenWorker], with_jobs: Iterable[int],
+                live: Iterable[int], timeout_s: float) -> set[int]:
+    """The shards that left the fleet: not live, and either their worker's last heartbeat is
+    older than `timeout_s` or no heartbeat is kept for them while jobs wait there."""
+    candidates = (set(workers) | set(with_jobs)) - set(live)
+    return {shard for shard in candidates
+            if (seen := workers.get(shard)) is None or seen.age_s > timeout_s}
+
+
+def routing_keys(job: MovableJob, block_size: int) -> DocumentKeys:
+    """The job's document keys as its producer made them; a document kept only as text (or
+    not readable) is routed by its key alone, which costs at most a cache miss."""
+    if isinstance(job.document, tuple):
+        return document_keys(job.document, block_size)
+    return DocumentKeys(job.document_key, job.document_key, 0, ())
+
+
+def rejoin(client: redis.Redis, shard: int) -> None:
+    """A worker starting under `shard` takes it back into the fleet: not draining, not
+    departed (its engine's start report already empties its cache estimate)."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.srem(DRAINING_KEY, shard)
+        pipe.srem(DEPARTED_KEY, shard)
+        pipe.execute()
+
+
+class ShardMover:
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store,
+                 celery: Celery) -> None:
+        self._settings = settings
+        self._redis = client
+        self._store = store
+        self._celery = celery
+        self._state = ShardState(client)
+
+    def move(self, shard: int, *, unclaimed_only: bool,
+             waited_s: float | None = None) -> int:
+        """Route the shard's unfinished jobs (only those no worker claimed, if asked; only
+        those enqueued more than `waited_s` seconds ago, if given) again to live shards;
+        returns how many moved."""
+        enqueued_before = None if waited_s is None else utcnow() - timedelta(seconds=waited_s)
+        jobs = self._store.jobs_on_shard(shard, unclaimed_only=unclaimed_only,
+                                         enqueued_before=enqueued_before,
+                                         limit=MOST_JOBS_PER_MOVE)
+        if not jobs:
+            return 0
+        # A router of its own reads the live set afresh: the shard has just left it.
+        router = make_router(self._redis, self._state, self._settings)
+        cost = self._settings.routing_decode_cost
+        routes = router.route([
+            RoutingJob(routing_keys(job, self._settings.block_size), job.prompt_tokens,
+                       decode_load(job.max_tokens, cost)) for job in jobs])
+        placed = [(job, route) for job, route in zip(jobs, routes, strict=True)
+                  if route.shard != shard]
+        messages = form_batches([PlacedJob(job.job_id, route.shard, job.document_key)
+                                 for job, route in placed], self._settings.batch_size)
+        route_of: dict[str, Route] = {job.job_id: route for job, route in placed}
+        moved = self._store.move_jobs(shard, messages, route_of, unclaimed_only=unclaimed_only)
+        # What routing charged for jobs that stay, and what the moved ones held on the shard
+        # they left, is returned.
+        self._state.release(loads_per_shard(
+            [(route.shard, route.load) for job, route in zip(jobs, routes, strict=True)
+             if job.job_id not in moved]
+            + [(shard, job.load) for job in jobs if job.job_id in moved]))
+        # Recorded first: should the send fail, the jobs have no live message and the
+        # reconciler sends them again on their new shards.
+        publish(self._celery, [message for message in messages
+                               if any(job_id in moved for job_id in message.job_ids)])
+        if moved:
+            log.warning("moved %d unfinished jobs off shard %d to shards %s", len(moved), shard,
+                        sorted({route_of[job_id].shard for job_id in moved}))
+        return len(moved)
+
+    def move_unclaimed(self, shard: int) -> int:
+        """Move the jobs of a draining shard that no worker claimed, under the reconcile lock
+        (waiting for a round to end)."""
+        with reconcile_lock(self._redis, wait=True):
+            return self.move(shard, unclaimed_only=True)
+
+    def forget(self, shard: int) -> None:
+        """Forget a dead shard's routing state, once (until a worker rejoins under it)."""
+        if self._redis.sismember(DEPARTED_KEY, shard):
+            return
+        forget_shard(self._redis, shard)
+        self._redis.sadd(DEPARTED_KEY, shard)
+        log.warning("shard %d left the fleet: its affinity entries, load and cache estimate "
+                    "are forgotten", shard)

@@ -1,0 +1,90 @@
+"""The fleet's membership rules: which shards producers route to, which count as dead, and
+which shard numbers a starting worker may take."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobsvc.departures import dead_shards
+from jobsvc.errors import ConfigurationError
+from jobsvc.health import ALIVE_SECONDS, Heartbeat, SeenWorker
+from jobsvc.routing.live import NoLiveShard, live_shard_ids
+from jobsvc.settings import Settings
+from workers.bootstrap import held_elsewhere
+
+pytestmark = pytest.mark.unit
+
+
+def _seen(shard: int, age_s: float = 1.0, *, stopped: bool = False) -> SeenWorker:
+    heartbeat = Heartbeat(shard=shard, worker=f"shard{shard}@host", host="host", pid=1, up_s=1.0,
+                          engine_ready=True, batches_in_flight=0, last_batch_finished_s=None,
+                          metrics_port=None, stopped=stopped)
+    return SeenWorker(heartbeat, age_s)
+
+
+def test_the_configured_shards_stand_in_until_a_worker_reports() -> None:
+    assert live_shard_ids({}, set(), 3) == (0, 1, 2)
+
+
+def test_live_workers_replace_the_configured_count_whatever_their_numbers() -> None:
+    workers = {0: _seen(0), 2: _seen(2), 5: _seen(5)}
+    assert live_shard_ids(workers, set(), 2) == (0, 2, 5)
+
+
+def test_silent_and_stopped_workers_are_left_out() -> None:
+    workers = {0: _seen(0), 1: _seen(1, ALIVE_SECONDS + 1), 2: _seen(2, stopped=True)}
+    assert live_shard_ids(workers, set(), 3) == (0,)
+
+
+def test_when_every_worker_is_gone_the_configured_shards_stand_in_again() -> None:
+    workers = {4: _seen(4, ALIVE_SECONDS + 1)}
+    assert live_shard_ids(workers, set(), 2) == (0, 1)
+
+
+def test_a_draining_shard_takes_no_new_work() -> None:
+    assert live_shard_ids({0: _seen(0), 1: _seen(1)}, {1}, 2) == (0,)
+    assert live_shard_ids({}, {0}, 2) == (1,)
+
+
+def test_nothing_to_route_to_when_every_shard_drains() -> None:
+    with pytest.raises(NoLiveShard, match="draining"):
+        live_shard_ids({3: _seen(3)}, {3}, 1)
+
+
+def test_a_shard_silent_past_the_timeout_is_dead_and_a_live_one_never() -> None:
+    workers = {0: _seen(0), 1: _seen(1, 61.0), 2: _seen(2, 30.0), 3: _seen(3, 90.0, stopped=True)}
+    assert dead_shards(workers, with_jobs=[], live=[0], timeout_s=60) == {1, 3}
+    assert dead_shards(workers, with_jobs=[], live=[0, 1], timeout_s=60) == {3}
+
+
+def test_a_shard_with_jobs_but_no_heartbeat_is_dead_unless_producers_still_assume_it() -> None:
+    workers = {0: _seen(0)}
+    assert dead_shards(workers, with_jobs=[0, 1], live=[0], timeout_s=60) == {1}
+    assert dead_shards({}, with_jobs=[0, 1], live=[0, 1], timeout_s=60) == set()
+
+
+def test_a_shard_number_held_by_a_live_worker_elsewhere_is_refused() -> None:
+    elsewhere = _seen(5)
+    assert held_elsewhere(elsewhere, "other-host", 42, lambda _pid: False)
+
+
+def test_a_shard_whose_worker_died_or_went_silent_is_free() -> None:
+    def running(_pid: int) -> bool:
+        return False
+
+    assert not held_elsewhere(_seen(5, ALIVE_SECONDS + 1), "other-host", 42, running)
+    assert not held_elsewhere(_seen(5, stopped=True), "other-host", 42, running)
+    # The same host, and the process that wrote the heartbeat is gone: a crashed predecessor.
+    assert not held_elsewhere(_seen(5), "host", 42, running)
+    # A container restarted with the same name and process ID is that worker again.
+    assert not held_elsewhere(_seen(5), "host", 1, lambda _pid: True)
+
+
+def test_another_running_process_of_this_host_holds_its_shard() -> None:
+    assert held_elsewhere(_seen(5), "host", 42, lambda pid: pid == 1)
+
+
+def test_a_shard_timeout_within_the_heartbeat_limit_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="JOBSVC_SHARD_TIMEOUT"):
+        Settings.from_env({"JOBSVC_SHARD_TIMEOUT": str(int(ALIVE_SECONDS) - 1)})
+    assert Settings.from_env({}).shard_timeout == 60

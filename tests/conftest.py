@@ -115,16 +115,34 @@ def client(settings: Settings, worker: LocalWorkers) -> Iterator[Client]:
         yield producer
 
 
+@pytest.fixture(scope="session")
+def routing_database(settings: Settings) -> str:
+    """A database of its own for jobs routed where no worker consumes: in the worker's
+    database, its reconciler would find them stranded and send them to its own Redis."""
+    return recreate_database(TEST_DATABASE + "_routing")
+
+
 @pytest.fixture()
-def routing_settings(settings: Settings) -> Iterator[Settings]:
+def routing_settings(settings: Settings, routing_database: str) -> Iterator[Settings]:
     """Settings with 8 shards on a Redis database that no worker consumes."""
-    routed = replace(settings, redis_url=ROUTING_REDIS_URL, shards=8)
+    routed = replace(settings, redis_url=ROUTING_REDIS_URL, shards=8,
+                     database_url=routing_database)
     yield routed
     redis.Redis.from_url(ROUTING_REDIS_URL).flushdb()
 
 
 @pytest.fixture()
-def store(settings: Settings) -> Iterator[Store]:
+def store(routing_database: str) -> Iterator[Store]:
+    """The store of `routing_settings`: jobs recorded here wait for no worker, and none
+    reconciles them."""
+    repository = Store(routing_database)
+    yield repository
+    repository.dispose()
+
+
+@pytest.fixture()
+def worker_store(settings: Settings) -> Iterator[Store]:
+    """The store the test worker reads and writes."""
     repository = Store(settings.resolved_database_url)
     yield repository
     repository.dispose()

@@ -245,12 +245,12 @@ def assert_every_request_once(lines: list[dict[str, Any]], output: list[dict[str
 
 
 def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_finished(
-        api: openai.OpenAI, worker: LocalWorkers, store: Store) -> None:
+        api: openai.OpenAI, worker: LocalWorkers, worker_store: Store) -> None:
     lines = long_requests(40)
     batch = start_batch(api, lines)
     deadline = time.monotonic() + TIMEOUT
     # Cancel once every request is a job: most still wait in the queue behind the first.
-    while sum(job_statuses(store, batch.id).values()) < len(lines):
+    while sum(job_statuses(worker_store, batch.id).values()) < len(lines):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert api.batches.cancel(batch.id).status == "cancelling"
@@ -261,7 +261,7 @@ def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_fini
     assert errors and all(item["error"]["code"] == "batch_cancelled" for item in errors)
     assert batch.request_counts.completed == len(output)
     assert batch.request_counts.failed == len(errors)
-    statuses = job_statuses(store, batch.id)
+    statuses = job_statuses(worker_store, batch.id)
     assert statuses.get("cancelled", 0) == len(errors), statuses
     assert not {"queued", "running"} & set(statuses), statuses
 
@@ -315,7 +315,7 @@ def test_a_line_submitted_again_gets_the_job_it_made_the_first_time(
 
 
 def test_a_server_killed_mid_batch_is_succeeded_by_another_that_finishes_it_without_duplicates(
-        server_settings: Settings, worker: LocalWorkers, store: Store,
+        server_settings: Settings, worker: LocalWorkers, worker_store: Store,
         tmp_path: Path) -> None:
     rng = random.Random(9)
     lines = document_lines(rng, 4, 5, lambda text, q: {
@@ -339,7 +339,7 @@ def test_a_server_killed_mid_batch_is_succeeded_by_another_that_finishes_it_with
         second.stop()
     assert batch.status == "completed" and errors == []
     assert_every_request_once(lines, output, errors)
-    with store.engine.connect() as connection:
+    with worker_store.engine.connect() as connection:
         made = connection.execute(select(func.count()).select_from(Job).where(
             Job.idempotency_key.startswith(batch.id))).scalar_one()
     assert made == len(lines)

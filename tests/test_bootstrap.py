@@ -158,7 +158,7 @@ settings = Settings.from_env({}, redis_url=sys.argv[1], worker_concurrency=1)
 app = make_celery(settings)
 app.steps["worker"].add(Broken)
 workers.celery_app.create_worker_app = lambda _settings, _shard: app
-run_worker(settings, 0, None)
+run_worker(settings, 97, None)
 """
 
 

@@ -103,10 +103,10 @@ def test_two_statements_of_one_transaction_that_finish_one_job_each_count_as_two
 
 
 def test_wait_returns_at_the_commit_not_at_its_next_check(
-        settings: Settings, store: Store, queued_job: Callable[[], str]) -> None:
+        routing_settings: Settings, store: Store, queued_job: Callable[[], str]) -> None:
     job_id = queued_job()
     later = threading.Timer(0.3, store.cancel, [job_id])
-    with Client(settings=settings) as client:
+    with Client(settings=routing_settings) as client:
         asked = time.monotonic()
         later.start()
         (record,) = client.wait([job_id], timeout=60, check_interval=30)

@@ -166,7 +166,9 @@ def test_the_fleet_metrics_show_queued_work_on_shards_no_worker_serves(
     assert set(mine) - {0, 1}, "the producer used only the configured shards"
     listed = {int(dict(labels)["shard"]) for name, labels in found
               if name == "jobsvc_queue_messages"}
-    assert listed == {0, 1} | set(mine)
+    # Every configured shard and every shard with work; other tests' unfinished jobs in
+    # this database may add shards of their own.
+    assert listed >= {0, 1} | set(mine)
     for shard, count in mine.items():
         labels = {"shard": str(shard)}
         assert found[("jobsvc_queue_messages", frozenset(

@@ -140,7 +140,7 @@ def test_cancelling_a_running_job_aborts_it_in_the_engine(client: Client,
 
 
 def test_a_running_job_whose_cancel_notice_was_lost_is_aborted_all_the_same(
-        client: Client, worker: LocalWorkers, store: Store) -> None:
+        client: Client, worker: LocalWorkers, worker_store: Store) -> None:
     rng = random.Random(18)
     job_id = client.submit(document(rng, 100), question(rng), max_tokens=3000,
                            ignore_eos=True)
@@ -148,7 +148,7 @@ def test_a_running_job_whose_cancel_notice_was_lost_is_aborted_all_the_same(
     while client.get(job_id).status is JobStatus.QUEUED and time.monotonic() < deadline:
         time.sleep(0.05)
     # Cancelled in the store alone, as if the notice on the cancel channel never arrived.
-    with store.engine.begin() as connection:
+    with worker_store.engine.begin() as connection:
         connection.execute(update(Job).where(Job.id == job_id).values(
             status=JobStatus.CANCELLED.value, finished_at=utcnow()))
     deadline = time.monotonic() + 30
@@ -216,12 +216,13 @@ def test_a_warm_shutdown_stops_the_worker_and_its_engine_cleanly(worker: LocalWo
         worker.start()
 
 
-def test_an_answer_records_why_the_engine_ended_it(client: Client, store: Store) -> None:
+def test_an_answer_records_why_the_engine_ended_it(client: Client,
+                                                   worker_store: Store) -> None:
     rng = random.Random(19)
     job_id = client.submit(document(rng, 60), question(rng), max_tokens=5, ignore_eos=True)
     (record,) = client.wait([job_id], timeout=TIMEOUT)
     assert record.status is JobStatus.SUCCEEDED and record.completion_tokens == 5
-    with store.engine.connect() as connection:
+    with worker_store.engine.connect() as connection:
         reason = connection.execute(
             select(Result.finish_reason).where(Result.job_id == job_id)).scalar_one()
     assert reason == "length"

@@ -1,4 +1,4 @@
-"""ops/benchmarks/pool.py: several bench reports in, each run's checks and pooled rows out."""
+"""`python -m bench.pool`: several bench reports in, each run's checks and pooled rows out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.bench
 
-SCRIPT = Path(__file__).resolve().parents[1] / "ops" / "benchmarks" / "pool.py"
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def _report(workload: str, shards: int, ratios: list[float], **figures: Any) -> dict[str, Any]:
@@ -32,8 +32,8 @@ def _pool(tmp_path: Path, reports: dict[str, dict[str, Any]], *options: str
         path = tmp_path / name
         path.write_text(json.dumps(report))
         paths.append(str(path))
-    return subprocess.run([sys.executable, str(SCRIPT), *options, *paths], capture_output=True,
-                          text=True, timeout=60, cwd=SCRIPT.parents[2])
+    return subprocess.run([sys.executable, "-m", "bench.pool", *options, *paths],
+                          capture_output=True, text=True, timeout=60, cwd=REPOSITORY)
 
 
 def test_runs_of_one_row_pool_their_pairs_and_each_run_keeps_its_checks(tmp_path: Path) -> None:

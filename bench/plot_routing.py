@@ -2,7 +2,7 @@
 as one table on standard output (JSON lines) and one PNG: measured prefix-cache hit rate
 against the ideal, and the service's median throughput, per workload and policy.
 
-    python ops/benchmarks/plot_routing.py ops/benchmarks/routing
+    python -m bench.plot_routing bench-out/routing
 """
 
 from __future__ import annotations
@@ -79,4 +79,4 @@ def main(directory: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "ops/benchmarks/routing"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-out/routing"))

@@ -6,7 +6,7 @@ the host's speed favours no value. Prints JSON: each value's jobs and planned wo
 every burst's rate and shard finish spread, and each value's median rate and median per-round
 ratio to the first value's.
 
-    python ops/benchmarks/assignment.py --workload ops/workloads/uneven.jsonl --shards 2 \
+    python -m bench.assignment --workload ops/workloads/uneven.jsonl --shards 2 \
         --setting decode_cost --values 0,8 --rounds 10
 """
 

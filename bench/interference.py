@@ -9,8 +9,8 @@ the engine's cores: 1 if the co-runner only took its own share, more if every co
 preempts holds up the engine's other threads too (OpenMP's threads meet at a barrier in every
 layer, so a step waits for the slowest). Prints JSON.
 
-    python ops/benchmarks/interference.py --pairs 8 --slice-ms 2 --period-ms 10
-    python ops/benchmarks/interference.py --pairs 8 --slice-ms 2 --period-ms 10 --touch-mib 32
+    python -m bench.interference --pairs 8 --slice-ms 2 --period-ms 10
+    python -m bench.interference --pairs 8 --slice-ms 2 --period-ms 10 --touch-mib 32
 """
 
 from __future__ import annotations

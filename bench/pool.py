@@ -7,7 +7,7 @@ bench added them), each row's pooled pairs, and all pairs pooled per kind of run
 how often a run of `--pairs-per-run` pairs drawn from them would clear the median and min
 bars (drawn from A/A pairs: the most any service could expect of the host).
 
-    python ops/benchmarks/pool.py ops/benchmarks/parity-xeon-amx-quiet/*.json
+    python -m bench.pool bench-out/*.json
 """
 
 from __future__ import annotations

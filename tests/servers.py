@@ -8,10 +8,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 
+from jobsvc.migrate import upgrade_to_head
 from jobsvc.private_redis import PrivateRedis
 
 __all__ = ["PrivatePostgres", "PrivateRedis"]
@@ -49,3 +52,23 @@ class PrivatePostgres:
 
     def remove(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextmanager
+def private_servers(redis_port: int, postgres_port: int
+                    ) -> Iterator[tuple[PrivateRedis, PrivatePostgres]]:
+    """A private Redis and a private PostgreSQL at the schema's head, both stopped (and the
+    cluster removed) however the block ends."""
+    redis_server = PrivateRedis(redis_port)
+    redis_server.start()
+    try:
+        postgres = PrivatePostgres(postgres_port)
+        try:
+            postgres.start()
+            upgrade_to_head(postgres.url)
+            yield redis_server, postgres
+        finally:
+            postgres.stop()
+            postgres.remove()
+    finally:
+        redis_server.stop()

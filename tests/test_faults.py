@@ -23,7 +23,6 @@ from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnav
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
-from jobsvc.migrate import upgrade_to_head
 from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store, utcnow
@@ -31,7 +30,7 @@ from jobsvc.transport import make_celery, publish
 from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE
 from tests.fault_tally import kill_tree, tally
-from tests.servers import PrivatePostgres, PrivateRedis
+from tests.servers import PrivatePostgres, PrivateRedis, private_servers
 
 pytestmark = pytest.mark.faults
 
@@ -49,24 +48,17 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    redis_server = PrivateRedis(6391)
-    redis_server.start()
-    postgres = PrivatePostgres(5441)
-    postgres.start()
-    settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                 requeue_interval=2, stranded_grace=5, max_attempts=3,
-                                 batch_size=32, worker_concurrency=4, visibility_timeout=8)
-    upgrade_to_head(postgres.url)
-    workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
-    try:
-        workers.start()
-        with Client(settings=settings) as client:
-            yield Harness(settings, workers, redis_server, postgres, client)
-    finally:
-        workers.stop()
-        postgres.stop()
-        postgres.remove()
-        redis_server.stop()
+    with private_servers(6391, 5441) as (redis_server, postgres):
+        settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
+                                     requeue_interval=2, stranded_grace=5, max_attempts=3,
+                                     batch_size=32, worker_concurrency=4, visibility_timeout=8)
+        workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
+        try:
+            workers.start()
+            with Client(settings=settings) as client:
+                yield Harness(settings, workers, redis_server, postgres, client)
+        finally:
+            workers.stop()
 
 
 def _burst(client: Client, jobs: int, seed: int, max_tokens: int = 24) -> list[str]:

@@ -21,11 +21,10 @@ from jobsvc import Client
 from jobsvc.health import read_heartbeats
 from jobsvc.keys import DRAINING_KEY
 from jobsvc.local import LocalWorkers, settings_environment
-from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
 from jobsvc.workloads import document_questions
 from tests.fault_tally import kill_tree, tally
-from tests.servers import PrivatePostgres, PrivateRedis
+from tests.servers import private_servers
 
 pytestmark = pytest.mark.faults
 
@@ -43,26 +42,19 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    redis_server = PrivateRedis(6393)
-    redis_server.start()
-    postgres = PrivatePostgres(5443)
-    postgres.start()
-    settings = Settings.from_env(
-        {}, redis_url=redis_server.url, database_url=postgres.url, shards=3,
-        shard_timeout=SHARD_TIMEOUT, requeue_interval=2, stranded_grace=5, max_attempts=3,
-        batch_size=4, worker_concurrency=2, visibility_timeout=8, metrics_port=0)
-    upgrade_to_head(postgres.url)
-    log_dir = Path(tmp_path_factory.mktemp("fleet-logs"))
-    workers = LocalWorkers(settings, log_dir, shards=[0, 1, 2])
-    try:
-        workers.start()
-        with Client(settings=settings) as client:
-            yield Fleet(settings, workers, log_dir, client)
-    finally:
-        workers.stop()
-        postgres.stop()
-        postgres.remove()
-        redis_server.stop()
+    with private_servers(6393, 5443) as (redis_server, postgres):
+        settings = Settings.from_env(
+            {}, redis_url=redis_server.url, database_url=postgres.url, shards=3,
+            shard_timeout=SHARD_TIMEOUT, requeue_interval=2, stranded_grace=5, max_attempts=3,
+            batch_size=4, worker_concurrency=2, visibility_timeout=8, metrics_port=0)
+        log_dir = Path(tmp_path_factory.mktemp("fleet-logs"))
+        workers = LocalWorkers(settings, log_dir, shards=[0, 1, 2])
+        try:
+            workers.start()
+            with Client(settings=settings) as client:
+                yield Fleet(settings, workers, log_dir, client)
+        finally:
+            workers.stop()
 
 
 def _burst(client: Client, documents: int, seed: int, max_tokens: int = 6) -> list[str]:

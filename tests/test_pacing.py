@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from unittest import mock
 
 import pytest
 
-from bench.run import shard_devices
 from bench.standalone import STAGGERED_PACING, staggered_pacing
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from tests.conftest import set_pacing
-from workers.bootstrap import bind_device
-from workers.engine import (
-    EngineAdapter,
-    EngineRequest,
-    EngineResult,
-    Pacing,
-    engine_args,
-    gather_paced,
-)
+from workers.engine import Pacing, gather_paced
 
 pytestmark = pytest.mark.bench
 
@@ -81,27 +70,31 @@ def test_pacing_comes_from_the_admission_settings() -> None:
 
 
 def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
-        settings: Settings) -> None:
-    """A real engine, one request per chunk two seconds apart: the second job is cancelled
-    while the first runs, and ends without having started."""
-    sampling = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
-    requests = [EngineRequest("first", (5, 6, 7), (8,), sampling),
-                EngineRequest("second", (5, 6, 7), (9,), sampling)]
-    with mock.patch.dict(os.environ):
-        bind_device(settings, shard_devices(settings.shards)[0])
-        adapter = EngineAdapter(engine_args(settings), Pacing(chunk=1, pause_seconds=2.0))
-        adapter.start()
-    results: list[EngineResult] = []
+        settings: Settings, worker: LocalWorkers, client: Client) -> None:
+    """One request per chunk, five seconds apart: the second job is cancelled once their
+    batch is admitted, while its chunk waits, and is withdrawn before the engine sees it."""
+    configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
+    set_pacing(settings, 1, 5000.0)
     try:
-        batch = adapter.submit(requests, results.append)
-        adapter.abort("second")
-        batch.result(timeout=120)
+        first, second = client.submit_many(
+            {"document": "a document admitted one request at a time " * 20,
+             "question": f"{which} question?", "max_tokens": 4, "ignore_eos": True}
+            for which in ("first", "second"))
+        deadline = time.monotonic() + 60
+        while client.get(first).status is JobStatus.QUEUED:
+            assert time.monotonic() < deadline, "the batch was never admitted"
+            time.sleep(0.05)
+        assert client.cancel(second)
+        ran, withdrawn = client.wait([first, second], timeout=120)
+        withdrawal = f"job {second} withdrawn before it reached the engine"
+        deadline = time.monotonic() + 30
+        while withdrawal not in worker.log_path(0).read_text(errors="replace"):
+            assert time.monotonic() < deadline, "the second job was not withdrawn"
+            time.sleep(0.2)
     finally:
-        adapter.shutdown()
-    by_job = {result.job_id: result for result in results}
-    assert (by_job["first"].error, by_job["first"].completion_tokens) == (None, 4)
-    assert by_job["second"].error == "cancelled before it reached the engine"
-    assert by_job["second"].completion_tokens == 0
+        set_pacing(settings, configured["chunk"], configured["pause_ms"])
+    assert (ran.status, ran.completion_tokens) == (JobStatus.SUCCEEDED, 4)
+    assert withdrawn.status is JobStatus.CANCELLED
 
 
 def test_a_running_worker_paces_later_batches_as_told_and_says_what_it_replaced(

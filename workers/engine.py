@@ -180,6 +180,7 @@ class EngineAdapter:
     async def _abort(self, job_id: str) -> None:
         if job_id in self._waiting:
             self._withdrawn.add(job_id)
+            log.info("job %s withdrawn before it reached the engine", job_id)
         else:
             await self._engine.abort(job_id)
 

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from xdist.scheduler import LoadScopeScheduling
 
 from bench.probes import HOOKS_PATH
 from jobsvc import Client
@@ -32,30 +33,75 @@ TEST_DATABASE = os.environ.get("JOBSVC_TEST_DATABASE", "jobsvc_test")
 WORKER_REDIS_URL = os.environ.get("JOBSVC_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROUTING_REDIS_URL = os.environ.get("JOBSVC_TEST_ROUTING_REDIS_URL",
                                    WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14")
-# Rows of the fault tests' table: one per scenario, printed after the run.
+# Every test worker runs below the tests' own priority: on a host with few cores, an engine
+# that busy-waits between steps can otherwise keep the tests, PostgreSQL and Redis off the
+# CPU for seconds while it generates (see JOBSVC_WORKER_NICE).
+TEST_WORKER_NICE = 10
+# Rows of the fault tests' table, one per scenario, that the running test recorded. Each
+# test's report carries them on (as user properties), so that they reach the process that
+# prints the table after the run, also when the run is split over several processes.
 FAULT_TABLE: list[dict[str, object]] = []
+_FAULT_ROW = "fault scenario"
+_reported_rows: list[dict[str, object]] = []
 
 
 TIERS = ("unit", "integration", "faults", "bench")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test belongs to exactly one tier, so that selecting tiers never misses one."""
+    """Every test belongs to exactly one tier, so that selecting tiers never misses one.
+    Tests that stop the shared worker run after all others, which then need not wait for it
+    to start again."""
     for item in items:
         tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
         if len(tiers) != 1:
             raise pytest.UsageError(f"{item.nodeid} must be in exactly one tier of {TIERS} "
                                     f"(pytestmark), not {tiers}")
+    items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
+
+
+# Test modules on private servers of their own. A run split over processes (pytest-xdist,
+# as the default options ask) runs these beside the rest, mostly waiting as they do on
+# timeouts; every other test shares the session's worker, database and Redis, so all of
+# those run in one process.
+PRIVATE_SERVER_MODULES = frozenset({"test_faults.py"})
+
+
+class _ByServers(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+        module = Path(nodeid.split("::", 1)[0]).name
+        return module if module in PRIVATE_SERVER_MODULES else "shared servers"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScopeScheduling | None:
+    """Replaces xdist's default distribution only (`--dist load`); others are kept."""
+    return _ByServers(config, log) if config.getvalue("dist") == "load" else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.when == "call":
+        report.user_properties.extend((_FAULT_ROW, row) for row in FAULT_TABLE)
+        FAULT_TABLE.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _reported_rows.extend(row for name, row in report.user_properties if name == _FAULT_ROW)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FAULT_TABLE:
+    if not _reported_rows:
         return
-    columns = list(FAULT_TABLE[0])
-    widths = {c: max(len(c), *(len(str(row[c])) for row in FAULT_TABLE)) for c in columns}
+    columns = list(_reported_rows[0])
+    widths = {c: max(len(c), *(len(str(row[c])) for row in _reported_rows)) for c in columns}
     terminalreporter.section("fault scenarios")
     terminalreporter.line("  ".join(c.ljust(widths[c]) for c in columns))
-    for row in FAULT_TABLE:
+    for row in _reported_rows:
         terminalreporter.line("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
 
 
@@ -97,16 +143,26 @@ def settings() -> Settings:
     return Settings.from_env({}, redis_url=WORKER_REDIS_URL, database_url=database_url,
                              batch_size=32, admission_chunk=8, worker_concurrency=4,
                              log_level="INFO", max_message_bytes=16 << 20,
-                             worker_hooks=HOOKS_PATH, metrics_port=free_port())
+                             worker_hooks=HOOKS_PATH, metrics_port=free_port(),
+                             worker_nice=TEST_WORKER_NICE)
 
 
 @pytest.fixture(scope="session")
-def worker(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalWorkers]:
+def shared_worker(settings: Settings, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[LocalWorkers]:
     log_dir: Path = tmp_path_factory.mktemp("worker-logs")
     workers = LocalWorkers(settings, log_dir, startup_timeout=300)
     workers.start()
     yield workers
     workers.stop()
+
+
+@pytest.fixture()
+def worker(shared_worker: LocalWorkers) -> LocalWorkers:
+    """The session's worker, started again if a test (marked `stops_worker`) stopped it."""
+    if not shared_worker.processes:
+        shared_worker.start()
+    return shared_worker
 
 
 @pytest.fixture()

@@ -28,7 +28,7 @@ from jobsvc.settings import Settings
 from jobsvc.store import Job, Store, utcnow
 from jobsvc.transport import make_celery, publish
 from jobsvc.workloads import document_questions
-from tests.conftest import FAULT_TABLE
+from tests.conftest import FAULT_TABLE, TEST_WORKER_NICE
 from tests.fault_tally import kill_tree, tally
 from tests.servers import PrivatePostgres, PrivateRedis, private_servers
 
@@ -51,7 +51,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     with private_servers(6391, 5441) as (redis_server, postgres):
         settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
                                      requeue_interval=2, stranded_grace=5, max_attempts=3,
-                                     batch_size=32, worker_concurrency=4, visibility_timeout=8)
+                                     batch_size=16, worker_concurrency=4, visibility_timeout=8,
+                                     worker_nice=TEST_WORKER_NICE)
         workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
         try:
             workers.start()
@@ -86,21 +87,30 @@ def _engine_core(harness: Harness) -> psutil.Process:
                 if "EngineCore" in child.name())
 
 
+def _attempts(harness: Harness, ids: list[str]) -> set[int]:
+    store = Store(harness.settings.resolved_database_url)
+    with store.engine.connect() as connection:
+        attempts = set(connection.execute(
+            select(Job.attempts).where(Job.id.in_(ids))).scalars())
+    store.dispose()
+    return attempts
+
+
 def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
         harness: Harness) -> None:
     client = harness.client
-    job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",
-                           max_tokens=3500, ignore_eos=True)
-    deadline = time.monotonic() + 60
-    while client.get(job_id).status is JobStatus.QUEUED:
-        assert time.monotonic() < deadline, "the job never started"
-        time.sleep(0.05)
-    # Freezing the engine makes the batch outlast the visibility timeout (plus kombu's 1 s
-    # restore scan) however fast this host generates.
+    # A frozen engine holds the batch past the visibility timeout (plus kombu's 1 s restore
+    # scan) however fast this host generates: the worker claims the job and waits on it.
     stall = 1.5 * harness.settings.visibility_timeout + 1
     engine_core = _engine_core(harness)
     engine_core.suspend()
     try:
+        job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",
+                               max_tokens=8, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while _attempts(harness, [job_id]) != {1}:
+            assert time.monotonic() < deadline, "the worker never claimed the job"
+            time.sleep(0.05)
         time.sleep(stall)
     finally:
         engine_core.resume()
@@ -108,11 +118,7 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
     assert record.status is JobStatus.SUCCEEDED
     assert (record.finished_at - record.started_at).total_seconds() > stall
     # No second delivery claimed it: the worker kept renewing its lease.
-    store = Store(harness.settings.resolved_database_url)
-    with store.engine.connect() as connection:
-        attempts = connection.execute(select(Job.attempts).where(Job.id == job_id)).scalar_one()
-    store.dispose()
-    assert attempts == 1
+    assert _attempts(harness, [job_id]) == {1}
 
 
 def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]) -> list[str]:
@@ -235,9 +241,13 @@ def test_kill_9_of_a_worker_mid_burst_delivers_its_batches_again(harness: Harnes
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
 
 
-def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
+def test_a_dead_engine_stops_the_worker_and_what_piles_up_meanwhile_runs_once_after_restart(
         harness: Harness) -> None:
-    client = harness.client
+    """One restart serves two scenarios: the dead engine's jobs, and what a broken or hostile
+    broker holds for the worker while it is down (copies, a forgery, garbage, lost
+    messages)."""
+    client, queue = harness.client, queue_name(0)
+    broker = redis.Redis.from_url(harness.settings.redis_url)
     ids = _burst(client, 64, seed=106, max_tokens=48)
     _wait_until_finished(client, ids, 2)
     worker = harness.workers.processes[0]
@@ -249,9 +259,36 @@ def test_a_dead_engine_stops_the_worker_and_its_jobs_run_after_restart(
         if leftover.is_running():
             leftover.kill()
     harness.workers.processes.clear()
+
+    queued_before = broker.llen(queue)
+    lost = _burst(client, 8, seed=110)
+    # kombu pushes at the head: the newest messages, this burst's, are lost.
+    lost_messages = broker.llen(queue) - queued_before
+    assert lost_messages > 0
+    for _ in range(lost_messages):
+        broker.lpop(queue)
+    work = document_questions(4, 4, 120, seed=111)
+    asked = {job_id: 3 + index % 5 for index, job_id in enumerate(client.submit_many(
+        {"document": job.document, "question": job.question, "max_tokens": 3 + index % 5,
+         "ignore_eos": True} for index, job in enumerate(work)))}
+    for item in broker.lrange(queue, 0, -1):
+        broker.lpush(queue, item, item, item)
+    # A message of our own format naming real jobs, not theirs: it must run nothing.
+    publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
+    broker.lpush(queue, b"not json at all", b"[1,2,3]")
     harness.workers.start()
+
     row = _tally(harness, "engine killed", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    row = _tally(harness, "copies x3, forgery, garbage, lost messages", [*asked, *lost])
+    assert row == {**row, "succeeded": len(asked) + len(lost), "lost": 0, "duplicated": 0}
+    records = {job_id: client.get(job_id) for job_id in asked}
+    assert {job_id: record.completion_tokens for job_id, record in records.items()} == asked
+    assert _attempts(harness, list(asked)) == {1}
+    assert all(process.poll() is None for process in harness.workers.processes)
+    (after,) = client.wait([client.submit("One more document.", "Still there?",
+                                          max_tokens=4)], timeout=FINISH_TIMEOUT)
+    assert after.status is JobStatus.SUCCEEDED
 
 
 def _no_jobs_row(scenario: str) -> None:
@@ -291,43 +328,6 @@ def test_a_producer_killed_between_recording_and_enqueueing_strands_no_job(
     assert len(ids) == 40
     row = _tally(harness, "producer kill -9 mid-submit", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
-
-
-def _attempts(harness: Harness, ids: list[str]) -> set[int]:
-    store = Store(harness.settings.resolved_database_url)
-    with store.engine.connect() as connection:
-        attempts = set(connection.execute(
-            select(Job.attempts).where(Job.id.in_(ids))).scalars())
-    store.dispose()
-    return attempts
-
-
-def test_copies_forgeries_garbage_and_a_lost_queue_before_the_worker_starts(
-        harness: Harness) -> None:
-    client, queue = harness.client, queue_name(0)
-    broker = redis.Redis.from_url(harness.settings.redis_url)
-    harness.workers.stop()
-    lost = _burst(client, 8, seed=110)
-    broker.delete(queue)
-    work = document_questions(4, 4, 120, seed=111)
-    asked = {job_id: 3 + index % 5 for index, job_id in enumerate(client.submit_many(
-        {"document": job.document, "question": job.question, "max_tokens": 3 + index % 5,
-         "ignore_eos": True} for index, job in enumerate(work)))}
-    for item in broker.lrange(queue, 0, -1):
-        broker.lpush(queue, item, item, item)
-    # A message of our own format naming real jobs, not theirs: it must run nothing.
-    publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
-    broker.lpush(queue, b"not json at all", b"[1,2,3]")
-    harness.workers.start()
-    row = _tally(harness, "copies x3, forgery, garbage, lost queue", [*asked, *lost])
-    assert row == {**row, "succeeded": len(asked) + len(lost), "lost": 0, "duplicated": 0}
-    records = {job_id: client.get(job_id) for job_id in asked}
-    assert {job_id: record.completion_tokens for job_id, record in records.items()} == asked
-    assert _attempts(harness, list(asked)) == {1}
-    assert all(process.poll() is None for process in harness.workers.processes)
-    (after,) = client.wait([client.submit("One more document.", "Still there?",
-                                          max_tokens=4)], timeout=FINISH_TIMEOUT)
-    assert after.status is JobStatus.SUCCEEDED
 
 
 def test_a_17_million_character_stop_string_is_refused_at_submit(harness: Harness) -> None:

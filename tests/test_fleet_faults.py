@@ -1,6 +1,6 @@
 """Shards come and go under load, on private servers: a worker killed for good mid-burst, a
 new shard joining under another host name, a shard drained. Every job must still end exactly
-once. Three workers on a small machine: small bursts, short answers, every wait bounded."""
+once. Two workers at a time, one per core: small bursts, short answers, every wait bounded."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from jobsvc.keys import DRAINING_KEY
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 from jobsvc.workloads import document_questions
+from tests.conftest import TEST_WORKER_NICE
 from tests.fault_tally import kill_tree, tally
 from tests.servers import private_servers
 
@@ -30,14 +31,26 @@ pytestmark = pytest.mark.faults
 
 FINISH_TIMEOUT = 300
 SHARD_TIMEOUT = 15
+# The shards the fleet starts with, each on a core of its own (vLLM's default binds every
+# engine to the first core).
+CORES = {0: "0", 1: "1"}
 
 
 @dataclass
 class Fleet:
     settings: Settings
-    workers: LocalWorkers
+    # The workers started together under the fleet's settings, then any that joined later.
+    groups: list[LocalWorkers]
     log_dir: Path
     client: Client
+
+    def process_of(self, shard: int) -> subprocess.Popen[bytes]:
+        group = next(group for group in self.groups if shard in group.shards)
+        return group.processes[group.shards.index(shard)]
+
+    def live_shards(self) -> list[int]:
+        return [shard for group in self.groups for shard, process
+                in zip(group.shards, group.processes, strict=True) if process.poll() is None]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +59,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         settings = Settings.from_env(
             {}, redis_url=redis_server.url, database_url=postgres.url, shards=3,
             shard_timeout=SHARD_TIMEOUT, requeue_interval=2, stranded_grace=5, max_attempts=3,
-            batch_size=4, worker_concurrency=2, visibility_timeout=8, metrics_port=0)
+            batch_size=4, worker_concurrency=2, visibility_timeout=8, metrics_port=0,
+            worker_nice=TEST_WORKER_NICE)
         log_dir = Path(tmp_path_factory.mktemp("fleet-logs"))
-        workers = LocalWorkers(settings, log_dir, shards=[0, 1, 2])
+        first = LocalWorkers(settings, log_dir, shards=list(CORES), devices=list(CORES.values()))
+        fleet = Fleet(settings, [first], log_dir, Client(settings=settings))
         try:
-            workers.start()
-            with Client(settings=settings) as client:
-                yield Fleet(settings, workers, log_dir, client)
+            fleet.groups[0].start()
+            yield fleet
         finally:
-            workers.stop()
+            fleet.client.close()
+            for group in fleet.groups:
+                group.stop()
 
 
 def _burst(client: Client, documents: int, seed: int, max_tokens: int = 6) -> list[str]:
@@ -76,10 +92,6 @@ def _tally(fleet: Fleet, scenario: str, ids: list[str]) -> dict[str, int]:
                  FINISH_TIMEOUT)
 
 
-def _process_of(workers: LocalWorkers, shard: int) -> subprocess.Popen[bytes]:
-    return workers.processes[workers.shards.index(shard)]
-
-
 def _shards(client: Client, ids: list[str]) -> dict[str, int]:
     return {job_id: client.get(job_id).shard for job_id in ids}
 
@@ -93,8 +105,9 @@ def _moved_off(client: Client, routed: dict[str, int], shard: int) -> list[str]:
 def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_joins(
         fleet: Fleet) -> None:
     client = fleet.client
-    dead = 2
-    worker = _process_of(fleet.workers, dead)
+    *others, dead = fleet.live_shards()
+    assert others, "a dead shard's jobs need another shard"
+    worker = fleet.process_of(dead)
     ids = _burst(client, 16, seed=301, max_tokens=16)
     # Frozen the moment its burst is out (then killed for good), so that the dead worker
     # leaves batches in flight and queued however fast this machine runs them.
@@ -108,35 +121,35 @@ def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_join
     # Jobs the dead shard had not finished ran on the others, and their records say so.
     assert _moved_off(client, routed, dead)
 
-    # A new GPU joins as shard 5 on another host, while shard 2 stays dead.
+    # A new GPU joins as shard 5 on another host (on the dead one's core), and stays.
     host_b = replace(fleet.settings, worker_host="host-b")
-    joined = LocalWorkers(host_b, fleet.log_dir / "host-b", shards=[5])
-    try:
-        joined.start()
-        seen = read_heartbeats(redis.Redis.from_url(fleet.settings.redis_url))[5]
-        assert seen.heartbeat.host == "host-b"
-        # Shard numbers are unique across the fleet: a worker on a third host may not take 5.
-        refused = subprocess.run(
-            [sys.executable, "-m", "jobsvc", "worker", "--shard", "5"],
-            env={**os.environ, **settings_environment(replace(host_b, worker_host="host-c"))},
-            capture_output=True, text=True, timeout=180)
-        assert refused.returncode != 0
-        assert "shard 5 is held by worker shard5@host-b" in refused.stderr
-        with Client(settings=fleet.settings) as producer:
-            later = _burst(producer, 8, seed=302)
-            shards = {producer.get(job_id).shard for job_id in later}
-        assert 5 in shards and dead not in shards
-        row = _tally(fleet, "new shard 5 joins on host-b", later)
-        assert row == {**row, "succeeded": len(later), "lost": 0, "duplicated": 0}
-    finally:
-        joined.stop()
+    joined = LocalWorkers(host_b, fleet.log_dir / "host-b", shards=[5],
+                          devices=[CORES[dead]])
+    fleet.groups.append(joined)
+    joined.start()
+    seen = read_heartbeats(redis.Redis.from_url(fleet.settings.redis_url))[5]
+    assert seen.heartbeat.host == "host-b"
+    # Shard numbers are unique across the fleet: a worker on a third host may not take 5.
+    refused = subprocess.run(
+        [sys.executable, "-m", "jobsvc", "worker", "--shard", "5"],
+        env={**os.environ, **settings_environment(replace(host_b, worker_host="host-c"))},
+        capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0
+    assert "shard 5 is held by worker shard5@host-b" in refused.stderr
+    with Client(settings=fleet.settings) as producer:
+        later = _burst(producer, 8, seed=302)
+        shards = {producer.get(job_id).shard for job_id in later}
+    assert 5 in shards and dead not in shards
+    row = _tally(fleet, "new shard 5 joins on host-b", later)
+    assert row == {**row, "succeeded": len(later), "lost": 0, "duplicated": 0}
 
 
 def test_a_drained_shard_finishes_its_queue_elsewhere_and_its_worker_exits_0(
         fleet: Fleet) -> None:
     client = fleet.client
-    drained = 1
-    worker = _process_of(fleet.workers, drained)
+    drained, *others = fleet.live_shards()
+    assert others, "a drain needs a shard to take over"
+    worker = fleet.process_of(drained)
     broker = redis.Redis.from_url(fleet.settings.redis_url)
     # The drained worker is paused (for less than a heartbeat's 15 s of grace) while the burst
     # arrives and the drain begins, so its queue holds more batches than it runs and holds at
@@ -157,7 +170,7 @@ def test_a_drained_shard_finishes_its_queue_elsewhere_and_its_worker_exits_0(
     out, err = drain.communicate(timeout=300)
     assert drain.returncode == 0, err
     assert f"shard {drained} drained" in out
-    assert _process_of(fleet.workers, drained).wait(timeout=60) == 0
+    assert worker.wait(timeout=60) == 0
     row = _tally(fleet, "shard drained mid-burst", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
     assert _moved_off(client, routed, drained)

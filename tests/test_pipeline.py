@@ -200,20 +200,18 @@ def test_a_document_without_readable_tokens_runs_on_its_text(
         assert f"document {key}: not a" in worker.log_path(0).read_text(errors="replace")
 
 
+@pytest.mark.stops_worker
 def test_a_warm_shutdown_stops_the_worker_and_its_engine_cleanly(worker: LocalWorkers) -> None:
     log = worker.log_path(0)
     written_before = log.stat().st_size
     processes = list(worker.processes)
     worker.stop()
-    try:
-        assert [process.returncode for process in processes] == [0] * len(processes)
-        shutdown_output = log.read_bytes()[written_before:].decode(errors="replace")
-        # The engine is torn down by the worker, not left to the interpreter's exit, where
-        # vLLM's finaliser fails on modules already unloaded.
-        assert "engine stopped" in shutdown_output
-        assert "Traceback" not in shutdown_output, shutdown_output[-3000:]
-    finally:
-        worker.start()
+    assert [process.returncode for process in processes] == [0] * len(processes)
+    shutdown_output = log.read_bytes()[written_before:].decode(errors="replace")
+    # The engine is torn down by the worker, not left to the interpreter's exit, where
+    # vLLM's finaliser fails on modules already unloaded.
+    assert "engine stopped" in shutdown_output
+    assert "Traceback" not in shutdown_output, shutdown_output[-3000:]
 
 
 def test_an_answer_records_why_the_engine_ended_it(client: Client,

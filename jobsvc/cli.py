@@ -91,9 +91,8 @@ def _stats(settings: Settings, _args: argparse.Namespace) -> None:
 
 def _status(settings: Settings, args: argparse.Namespace) -> None:
     import redis
-    from sqlalchemy.exc import SQLAlchemyError
 
-    from jobsvc.errors import BrokerUnavailable, StorageUnavailable
+    from jobsvc.errors import translated
     from jobsvc.fleet import FleetReader
     from jobsvc.status import exit_code, render_text, status_report
     from jobsvc.store import Store
@@ -101,13 +100,9 @@ def _status(settings: Settings, args: argparse.Namespace) -> None:
     store = Store(settings.resolved_database_url)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
     try:
-        fleet = FleetReader(settings, client, store).read(only=args.shard)
-    except redis.RedisError as error:
-        raise BrokerUnavailable(f"cannot read the queues and heartbeats in Redis at "
-                                f"{masked_url(settings.redis_url)}: {error}") from None
-    except SQLAlchemyError as error:
-        raise StorageUnavailable(f"cannot count the unfinished jobs: {type(error).__name__}: "
-                                 f"{str(error).splitlines()[0]}") from None
+        with translated(f"read the queues and heartbeats in Redis at "
+                        f"{masked_url(settings.redis_url)} and the unfinished jobs"):
+            fleet = FleetReader(settings, client, store).read(only=args.shard)
     finally:
         store.dispose()
         client.close()

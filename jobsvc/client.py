@@ -5,22 +5,27 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-import kombu.exceptions
-import psycopg
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc import compression
 from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.console import ProgressBar
-from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
+from jobsvc.errors import (
+    BROKER_ERRORS,
+    STORAGE_ERRORS,
+    BrokerUnavailable,
+    InvalidJob,
+    JobNotFound,
+    StorageUnavailable,
+    translated,
+)
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
 from jobsvc.prompts import PromptBuilder
@@ -37,29 +42,10 @@ from jobsvc.schema import (
     validate_job,
 )
 from jobsvc.settings import Settings
-from jobsvc.store import JobRecord, Store, utcnow
+from jobsvc.store import MAX_IDEMPOTENCY_KEY_CHARS, JobRecord, Store, utcnow
 from jobsvc.transport import make_celery, publish
 
 log = logging.getLogger(__name__)
-
-# What a lost connection to the database or the broker raises, below jobsvc's own errors.
-_STORAGE_ERRORS = (SQLAlchemyError, psycopg.Error)
-_BROKER_ERRORS = (redis.RedisError, kombu.exceptions.KombuError, ConnectionError)
-
-
-@contextmanager
-def _translated(what: str) -> Iterator[None]:
-    """Raise an outage as StorageUnavailable / BrokerUnavailable, never as a driver's own
-    exception, so callers handle one documented error per service."""
-    try:
-        yield
-    except _STORAGE_ERRORS as error:
-        raise StorageUnavailable(f"could not {what}: the database is unavailable "
-                                 f"({type(error).__name__}); try again later") from error
-    except _BROKER_ERRORS as error:
-        raise BrokerUnavailable(f"could not {what}: Redis is unavailable "
-                                f"({type(error).__name__}); try again later") from error
-
 
 @dataclass(frozen=True)
 class PreparedJob:
@@ -95,7 +81,6 @@ class _Routed:
             self.placed, self.loads, strict=True) if job_ids is None or job.job_id in job_ids)
 
 
-MAX_IDEMPOTENCY_KEY_CHARS = 128
 _WAIT_CHUNK = 5000
 
 
@@ -141,9 +126,10 @@ class Client:
         """Submit many jobs at once: all are validated first, then recorded in one transaction
         and enqueued in one Redis pipeline. Returns the job IDs in input order.
 
-        A job may carry an `idempotency_key` (a string of at most 128 characters): a submit
-        of a key already recorded returns that job's ID and records nothing new, so a producer
-        that retries after a timeout or a crash never makes a second job."""
+        A job may carry an `idempotency_key` (a string of at most `MAX_IDEMPOTENCY_KEY_CHARS`
+        characters): a submit of a key already recorded returns that job's ID and records
+        nothing new, so a producer that retries after a timeout or a crash never makes a second
+        job."""
         requests: list[JobRequest] = []
         keys: list[str | None] = []
         for index, job in enumerate(jobs):
@@ -167,7 +153,7 @@ class Client:
         Sampling must already be validated. Returns the job IDs in input order; a job whose
         idempotency key is recorded already gets that job's ID."""
         self._check_lengths(jobs)
-        with _translated(f"look up the idempotency keys of {len(jobs)} jobs"):
+        with translated(f"look up the idempotency keys of {len(jobs)} jobs"):
             recorded = self._store.jobs_by_key(
                 [job.idempotency_key for job in jobs if job.idempotency_key is not None])
         job_ids: list[str] = []
@@ -194,7 +180,7 @@ class Client:
         """Route, record and enqueue new jobs. Returns, for jobs whose idempotency key a
         concurrent submit recorded first, the ID of that submit's job: they are neither
         recorded nor enqueued, and what routing charged for them is returned."""
-        with _translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
+        with translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
             routed, prefix_keys = self._route(jobs, job_ids)
         messages = form_batches(routed.placed, self.settings.batch_size)
         message_of = {job_id: message.message_id for message in messages
@@ -212,13 +198,12 @@ class Client:
             "status": JobStatus.QUEUED.value, "prompt_tokens": job.prompt_tokens,
             "estimated_prefill": prefill, "load": load,
             "message_id": message_of[placed.job_id], "submitted_at": now, "enqueued_at": now,
-            **({"idempotency_key": job.idempotency_key}
-               if job.idempotency_key is not None else {}),
+            "idempotency_key": job.idempotency_key,
         } for job, placed, prefill, load in zip(
             jobs, routed.placed, routed.estimated_prefills, routed.loads, strict=True)]
         try:
             taken = self._store.record_submitted(document_rows, job_rows)
-        except _STORAGE_ERRORS as error:
+        except STORAGE_ERRORS as error:
             self._return_charges(routed.charges())
             raise StorageUnavailable(
                 f"could not record {len(job_rows)} jobs ({type(error).__name__}); nothing was "
@@ -232,7 +217,7 @@ class Client:
             publish(self._celery, messages)
         except Exception as error:
             recorded = [row["id"] for row in job_rows if row["id"] not in taken]
-            with _translated(f"withdraw {len(recorded)} jobs after Redis refused them"):
+            with translated(f"withdraw {len(recorded)} jobs after Redis refused them"):
                 self._store.forget_submitted(recorded)
             self._return_charges(routed.charges(set(recorded)))
             raise BrokerUnavailable(
@@ -246,7 +231,7 @@ class Client:
         the reconciler returns it later."""
         try:
             self._shard_state.release(charges)
-        except _BROKER_ERRORS as error:
+        except BROKER_ERRORS as error:
             log.warning("could not return the load of an abandoned submit: %s", error)
 
     def _route(self, jobs: Sequence[PreparedJob], job_ids: Sequence[str]
@@ -273,7 +258,7 @@ class Client:
         ), {prefix.document_key: job for job, prefix in zip(jobs, prefix_keys, strict=True)}
 
     def get(self, job_id: str) -> JobRecord:
-        with _translated(f"read job {job_id}"):
+        with translated(f"read job {job_id}"):
             record = self._store.get_many([job_id]).get(job_id)
         if record is None:
             raise JobNotFound(f"no job with ID {job_id!r}")
@@ -290,8 +275,8 @@ class Client:
         error counts the jobs finished, moved on by each notification as it arrives (a plain
         line now and then where standard error is no terminal)."""
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
-        with _translated(f"wait for {len(ids)} jobs"), ExitStack() as stack:
-            bar = stack.enter_context(ProgressBar(len(ids), "finished")) if progress else None
+        with (translated(f"wait for {len(ids)} jobs"),
+              ProgressBar(len(ids), "finished") if progress else nullcontext() as bar):
             return self._wait(ids, timeout, check_interval, bar)
 
     def _wait(self, ids: list[str], timeout: float | None, check_interval: float,
@@ -328,13 +313,13 @@ class Client:
     def pending(self, job_ids: Sequence[str]) -> int:
         """How many of these jobs have not finished yet (for progress displays)."""
         ids = list(job_ids)
-        with _translated(f"count unfinished jobs among {len(ids)}"):
+        with translated(f"count unfinished jobs among {len(ids)}"):
             return sum(self._store.count_unfinished(ids[start:start + _WAIT_CHUNK])
                        for start in range(0, len(ids), _WAIT_CHUNK))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or running job. Returns False if it had already finished."""
-        with _translated(f"cancel job {job_id}"):
+        with translated(f"cancel job {job_id}"):
             released = self._store.cancel(job_id)
             if released is None:
                 return False
@@ -344,7 +329,7 @@ class Client:
     def cancel_many(self, job_ids: Sequence[str]) -> list[str]:
         """Cancel those of these jobs that have not finished, in one statement; returns the
         IDs of those it cancelled."""
-        with _translated(f"cancel {len(job_ids)} jobs"):
+        with translated(f"cancel {len(job_ids)} jobs"):
             cancelled = self._store.cancel_many(job_ids)
             if cancelled.job_ids:
                 self._announce_cancelled(cancelled.job_ids, cancelled.released)
@@ -364,7 +349,7 @@ class Client:
         shrinking list, so each poll costs less than the last). Raises JobNotFound for an
         unknown ID."""
         ids = list(job_ids)
-        with _translated(f"check {len(ids)} jobs"):
+        with translated(f"check {len(ids)} jobs"):
             return [job_id for start in range(0, len(ids), _WAIT_CHUNK)
                     for job_id in self._unfinished_chunk(ids[start:start + _WAIT_CHUNK])]
 

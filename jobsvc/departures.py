@@ -97,8 +97,10 @@ class ShardMover:
         # A router of its own reads the live set afresh: the shard has just left it.
         router = make_router(self._redis, self._state, self._settings)
         cost = self._settings.routing_decode_cost
+        # Jobs on one document share its keys: each document is hashed once.
+        keys = {job.document_key: routing_keys(job, self._settings.block_size) for job in jobs}
         routes = router.route([
-            RoutingJob(routing_keys(job, self._settings.block_size), job.prompt_tokens,
+            RoutingJob(keys[job.document_key], job.prompt_tokens,
                        decode_load(job.max_tokens, cost)) for job in jobs])
         placed = [(job, route) for job, route in zip(jobs, routes, strict=True)
                   if route.shard != shard]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from jobsvc.departures import ShardMover
-from jobsvc.health import read_heartbeats
+from jobsvc.health import read_heartbeat
 from jobsvc.keys import DRAINING_KEY
 from jobsvc.routing.live import read_draining
 from jobsvc.settings import Settings
@@ -38,15 +38,15 @@ def drain_shard(settings: Settings, shard: int, timeout_s: float,
     try:
         client.sadd(DRAINING_KEY, shard)
         progress(f"shard {shard} flagged draining; draining now: {sorted(read_draining(client))}")
-        seen = read_heartbeats(client).get(shard)
+        seen = read_heartbeat(client, shard)
         if seen is None or not seen.alive:
             return DrainOutcome(True, _move_queued(settings, client, shard), None)
         name = seen.heartbeat.worker
         progress(f"waiting for worker {name} to finish its batches and stop")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            seen = read_heartbeats(client).get(shard)
-            if seen is None or seen.heartbeat.stopped or not seen.alive:
+            seen = read_heartbeat(client, shard)
+            if seen is None or not seen.alive:
                 return DrainOutcome(True, 0, name)
             time.sleep(_POLL_SECONDS)
         return DrainOutcome(False, 0, name)

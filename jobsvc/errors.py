@@ -1,5 +1,19 @@
 """Named errors of the public API; each message says what was wrong and what to do."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import kombu.exceptions
+import psycopg
+import redis
+from sqlalchemy.exc import SQLAlchemyError
+
+# What a lost connection to the database or the broker raises, below jobsvc's own errors.
+STORAGE_ERRORS = (SQLAlchemyError, psycopg.Error)
+BROKER_ERRORS = (redis.RedisError, kombu.exceptions.KombuError, ConnectionError)
+
 
 class JobsvcError(Exception):
     """Base of every error jobsvc raises on purpose."""
@@ -26,3 +40,17 @@ class StorageUnavailable(JobsvcError):
 
 class BrokerUnavailable(JobsvcError):
     """Redis could not take a submit's messages; nothing was kept."""
+
+
+@contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Raise an outage as StorageUnavailable / BrokerUnavailable, never as a driver's own
+    exception, so callers handle one documented error per service."""
+    try:
+        yield
+    except STORAGE_ERRORS as error:
+        raise StorageUnavailable(f"could not {what}: the database is unavailable "
+                                 f"({type(error).__name__}); try again later") from error
+    except BROKER_ERRORS as error:
+        raise BrokerUnavailable(f"could not {what}: Redis is unavailable "
+                                f"({type(error).__name__}); try again later") from error

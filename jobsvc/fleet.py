@@ -16,12 +16,9 @@ import redis
 from jobsvc.health import SeenWorker, read_heartbeats
 from jobsvc.keys import ALL_QUEUES_PATTERN, queue_name, shard_of_queue
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import JobStatus
+from jobsvc.schema import ACTIVE_STATUSES
 from jobsvc.settings import Settings
 from jobsvc.store import Store
-
-# The job statuses counted per shard: the unfinished ones.
-ACTIVE_STATUSES = tuple(status.value for status in JobStatus if not status.finished)
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,11 @@ class ShardView:
     @property
     def has_work(self) -> bool:
         return self.queue_messages > 0 or any(self.jobs.values())
+
+    @property
+    def healthy(self) -> bool:
+        """A worker is seen for the shard and is healthy (`SeenWorker.healthy`)."""
+        return self.worker is not None and self.worker.healthy
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,9 @@ def listed_shards(configured: int, *live: Iterable[int]) -> list[int]:
 
 
 class FleetReader:
-    """Reads the fleet in a few round trips: two key scans and a pipeline in Redis, one
-    GROUP BY in the store (plus one for batches, where that table exists)."""
+    """Reads the fleet in a few round trips: in Redis two key scans (one when reading one
+    shard), a pipeline each for heartbeats and queue lengths, and the load hash; in the store
+    one GROUP BY (plus one for batches, where that table exists)."""
 
     def __init__(self, settings: Settings, client: redis.Redis, store: Store) -> None:
         self._configured = settings.shards

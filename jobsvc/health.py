@@ -90,8 +90,8 @@ def write_heartbeat(client: redis.Redis, heartbeat: Heartbeat) -> None:
 
 
 def read_heartbeats(client: redis.Redis) -> dict[int, SeenWorker]:
-    """Every shard's latest heartbeat still kept, by shard. An unreadable record is logged and
-    left out."""
+    """Every shard's latest heartbeat still kept, by shard, in one scan and one round trip. An
+    unreadable record is logged and left out."""
     shards = sorted(shard for key in client.scan_iter(match=ALL_HEARTBEATS_PATTERN, count=1000)
                     if (shard := shard_of_heartbeat(key)) is not None)
     with client.pipeline(transaction=False) as pipe:
@@ -99,18 +99,32 @@ def read_heartbeats(client: redis.Redis) -> dict[int, SeenWorker]:
             pipe.get(heartbeat_key(shard))
             pipe.pttl(heartbeat_key(shard))
         replies = pipe.execute()
-    seen: dict[int, SeenWorker] = {}
-    for shard, raw, remaining_ms in zip(shards, replies[::2], replies[1::2], strict=True):
-        if raw is None or remaining_ms < 0:
-            continue  # expired between the scan and the read
-        try:
-            heartbeat = Heartbeat.from_json(raw)
-        except HeartbeatError as error:
-            log.warning("ignoring the heartbeat of shard %d: %s", shard, error)
-            continue
-        if heartbeat.shard != shard:
-            log.warning("ignoring the heartbeat under shard %d's key: it names shard %d",
-                        shard, heartbeat.shard)
-            continue
-        seen[shard] = SeenWorker(heartbeat, max(0.0, KEEP_SECONDS - remaining_ms / 1000))
-    return seen
+    return {shard: seen for shard, raw, remaining_ms
+            in zip(shards, replies[::2], replies[1::2], strict=True)
+            if (seen := _seen(shard, raw, remaining_ms)) is not None}
+
+
+def read_heartbeat(client: redis.Redis, shard: int) -> SeenWorker | None:
+    """One shard's latest heartbeat, if one is kept and readable, in one round trip."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.get(heartbeat_key(shard))
+        pipe.pttl(heartbeat_key(shard))
+        raw, remaining_ms = pipe.execute()
+    return _seen(shard, raw, remaining_ms)
+
+
+def _seen(shard: int, raw: bytes | None, remaining_ms: int) -> SeenWorker | None:
+    """The heartbeat read under `shard`'s key with the key's remaining lifetime; None where
+    there is none (it expired meanwhile) or it is unreadable, which is logged."""
+    if raw is None or remaining_ms < 0:
+        return None
+    try:
+        heartbeat = Heartbeat.from_json(raw)
+    except HeartbeatError as error:
+        log.warning("ignoring the heartbeat of shard %d: %s", shard, error)
+        return None
+    if heartbeat.shard != shard:
+        log.warning("ignoring the heartbeat under shard %d's key: it names shard %d",
+                    shard, heartbeat.shard)
+        return None
+    return SeenWorker(heartbeat, max(0.0, KEEP_SECONDS - remaining_ms / 1000))

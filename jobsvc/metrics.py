@@ -38,7 +38,7 @@ def fleet_families(fleet: Fleet) -> list[Metric]:
             jobs.add_metric([status, shard], count)
         if view.outstanding_load is not None:
             loads.add_metric([shard], view.outstanding_load)
-        healthy.add_metric([shard], int(view.worker is not None and view.worker.healthy))
+        healthy.add_metric([shard], int(view.healthy))
     families: list[Metric] = [queues, jobs, loads, healthy]
     if fleet.batches is not None:
         batches = GaugeMetricFamily("jobsvc_batches", "Batches of the batch API by status",

@@ -167,7 +167,7 @@ class Reconciler:
                 corrections[shard] = (step if drift[shard] > 0 else -step, true_load)
         self._last_drift = drift
         self._shard_state.correct(corrections)
-        if corrections:
-            log.warning("corrected shard loads that no unfinished job accounted for: %s",
-                        {shard: delta for shard, (delta, _) in corrections.items()})
-        return {shard: delta for shard, (delta, _) in corrections.items()}
+        deltas = {shard: delta for shard, (delta, _) in corrections.items()}
+        if deltas:
+            log.warning("corrected shard loads that no unfinished job accounted for: %s", deltas)
+        return deltas

@@ -32,6 +32,8 @@ class JobStatus(StrEnum):
 
 
 FINISHED_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+# The unfinished statuses' values, in the order a job passes through them.
+ACTIVE_STATUSES = tuple(status.value for status in JobStatus if not status.finished)
 
 
 def _number(name: str, value: Any, *, integer: bool) -> float:
@@ -119,10 +121,6 @@ class JobRequest:
     document: str
     question: str
     sampling: dict[str, Any]
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self.sampling["max_tokens"])
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ EXIT_UNHEALTHY = 1
 def needs_attention(view: ShardView, *, named: bool) -> bool:
     """A shard whose work no healthy worker takes; a shard named on its own needs a healthy
     worker even when idle."""
-    healthy = view.worker is not None and view.worker.healthy
-    return not healthy and (named or view.has_work)
+    return not view.healthy and (named or view.has_work)
 
 
 def exit_code(fleet: Fleet, *, named: bool = False) -> int:

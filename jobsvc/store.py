@@ -47,7 +47,7 @@ from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.routing.cost import Route, loads_per_shard
-from jobsvc.schema import FINISHED_STATUSES, BatchMessage, JobStatus
+from jobsvc.schema import ACTIVE_STATUSES, FINISHED_STATUSES, BatchMessage, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ class Document(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+# The longest idempotency key a producer may give (the column's width).
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -96,7 +100,8 @@ class Job(Base):
     message_id: Mapped[str | None] = mapped_column(String(32))
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # A producer's own name for the job (unique): submitting it again returns this job.
-    idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(MAX_IDEMPOTENCY_KEY_CHARS),
+                                                          unique=True)
     submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -234,24 +239,16 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _readable_tokens(key: str, tokens_zst: bytes | None) -> tuple[int, ...] | None:
+def _readable_tokens(label: str, tokens_zst: bytes | None) -> tuple[int, ...] | None:
+    """The tokens, or None where there are none or they do not read back (logged under
+    `label`, e.g. "document <key>": the caller then uses the text instead)."""
     if tokens_zst is None:
         return None
     try:
         return compression.unpack_tokens(tokens_zst)
     except compression.TokenFrameError as error:
-        log.warning("document %s: %s; its text is used instead", key, error)
+        log.warning("%s: %s; its text is used instead", label, error)
         return None
-
-
-def _question(row: Any) -> tuple[int, ...] | str:
-    """A claimed job's question tokens, or its text where they do not read back."""
-    if row.question_tokens_zst is not None:
-        try:
-            return compression.unpack_tokens(row.question_tokens_zst)
-        except compression.TokenFrameError as error:
-            log.warning("job %s: %s; its question text is used instead", row.id, error)
-    return row.question
 
 
 def _readable_text(key: str, text_zst: bytes) -> str | None:
@@ -284,7 +281,6 @@ def make_engine(database_url: str) -> Engine:
     return engine
 
 
-_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 # The batch API's table (`jobsvc serve`), counted for operators once the schema has it.
 BATCHES_TABLE = "batches"
 _FINISHED = sorted(status.value for status in FINISHED_STATUSES)
@@ -297,6 +293,17 @@ def _unfinished(status: Any) -> ColumnElement[bool]:
     jobs that took a 32-job claim 1.8 ms against 0.3 ms by primary key alone. `NOT IN` the
     finished statuses, which no index serves, leaves the lookup by key."""
     return status.not_in(_FINISHED)
+
+
+def _sent_before(moment: datetime) -> ColumnElement[bool]:
+    """The job's message was sent before `moment`; one with no send time counts as sent."""
+    return or_(Job.enqueued_at.is_(None), Job.enqueued_at < moment)
+
+
+def _unclaimed() -> ColumnElement[bool]:
+    """Queued, and no worker has claimed the job."""
+    return and_(Job.worker.is_(None), Job.status == JobStatus.QUEUED.value)
+
 
 # A gathering's outcomes in one statement on PostgreSQL, from arrays: the jobs still active
 # take theirs, those that succeeded get their result rows, and the loads of the jobs it ended
@@ -400,6 +407,8 @@ class Store:
         self._statuses = select(Job.id, Job.status).where(self._among_listed(Job.id, "job_ids"))
         self._count_unfinished = select(func.count()).select_from(Job).where(
             self._among_listed(Job.id, "job_ids"), _unfinished(Job.status))
+        # Whether the batches table was there when last looked for: once it is, it stays.
+        self._has_batches = False
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -507,9 +516,13 @@ class Store:
                         connection, [row.id for row in runnable if row.document_key == key],
                         f"its document {key} does not read back from the database "
                         "(neither its tokens nor its text); submit it again")
-        jobs = [ClaimedJob(row.id, document, _question(row), row.sampling, row.estimated_prefill,
-                           row.submitted_at)
-                for row in runnable if (document := documents[row.document_key]) is not None]
+        jobs: list[ClaimedJob] = []
+        for row in runnable:
+            if (document := documents[row.document_key]) is None:
+                continue
+            tokens = _readable_tokens(f"job {row.id}'s question", row.question_tokens_zst)
+            jobs.append(ClaimedJob(row.id, document, row.question if tokens is None else tokens,
+                                   row.sampling, row.estimated_prefill, row.submitted_at))
         return Claim(jobs, _load_by_shard(ended))
 
     def _documents(self, connection: Connection, keys: set[str]
@@ -519,7 +532,7 @@ class Store:
             return {}
         documents: dict[str, tuple[int, ...] | str | None] = {}
         for key, tokens_zst in connection.execute(self._document_tokens, {"keys": list(keys)}):
-            tokens = _readable_tokens(key, tokens_zst)
+            tokens = _readable_tokens(f"document {key}", tokens_zst)
             if tokens is not None:
                 documents[key] = tokens
         untokenized = list(keys - documents.keys())
@@ -544,8 +557,7 @@ class Store:
         ones, by shard: nothing will ever run them unless they are sent again."""
         query = (
             select(Job.shard, Job.id)
-            .where(Job.status.in_(_ACTIVE),
-                   or_(Job.enqueued_at.is_(None), Job.enqueued_at < enqueued_before),
+            .where(Job.status.in_(ACTIVE_STATUSES), _sent_before(enqueued_before),
                    or_(Job.message_id.is_(None),
                        ~self._among(Job.message_id, list(live_messages))))
             .order_by(Job.submitted_at)
@@ -561,11 +573,11 @@ class Store:
         """Unfinished jobs on a shard that is leaving (all, or only those no worker has
         claimed), oldest first, with what routing them again needs."""
         query = select(Job.id, Job.document_key, Job.prompt_tokens, Job.sampling, Job.load).where(
-            Job.shard == shard, Job.status.in_(_ACTIVE))
+            Job.shard == shard, Job.status.in_(ACTIVE_STATUSES))
         if unclaimed_only:
-            query = query.where(Job.worker.is_(None), Job.status == JobStatus.QUEUED.value)
+            query = query.where(_unclaimed())
         if enqueued_before is not None:
-            query = query.where(or_(Job.enqueued_at.is_(None), Job.enqueued_at < enqueued_before))
+            query = query.where(_sent_before(enqueued_before))
         with self._reads.connect() as connection:
             rows = connection.execute(query.order_by(Job.submitted_at).limit(limit)).all()
             documents = self._documents(connection, {row.document_key for row in rows})
@@ -583,10 +595,9 @@ class Store:
         # Statuses spelled out: an IN list cannot be bound once per row of an executemany.
         statement = update(Job).where(
             Job.id == bindparam("b_id"), Job.shard == shard,
-            or_(*(Job.status == status for status in _ACTIVE)))
+            or_(*(Job.status == status for status in ACTIVE_STATUSES)))
         if unclaimed_only:
-            statement = statement.where(Job.worker.is_(None),
-                                        Job.status == JobStatus.QUEUED.value)
+            statement = statement.where(_unclaimed())
         statement = statement.values(
             shard=bindparam("b_shard"), message_id=bindparam("b_message_id"),
             estimated_prefill=bindparam("b_prefill"), load=bindparam("b_load"),
@@ -610,13 +621,13 @@ class Store:
             for message in messages:
                 connection.execute(
                     update(Job).where(self._among(Job.id, message.job_ids),
-                                      Job.status.in_(_ACTIVE))
+                                      Job.status.in_(ACTIVE_STATUSES))
                     .values(message_id=message.message_id, status=JobStatus.QUEUED.value,
                             worker=None, enqueued_at=now))
 
     def active_load(self) -> dict[int, int]:
         """What every unfinished job charged its shard, summed by shard."""
-        query = (select(Job.shard, func.sum(Job.load)).where(Job.status.in_(_ACTIVE))
+        query = (select(Job.shard, func.sum(Job.load)).where(Job.status.in_(ACTIVE_STATUSES))
                  .group_by(Job.shard))
         with self._reads.connect() as connection:
             return _load_by_shard(connection.execute(query))
@@ -624,7 +635,7 @@ class Store:
     def active_counts(self) -> dict[int, dict[str, int]]:
         """Queued and running jobs by shard and status, for operators: one GROUP BY over the
         active entries of the status index, however many finished jobs the table holds."""
-        query = (select(Job.shard, Job.status, func.count()).where(Job.status.in_(_ACTIVE))
+        query = (select(Job.shard, Job.status, func.count()).where(Job.status.in_(ACTIVE_STATUSES))
                  .group_by(Job.shard, Job.status))
         counts: dict[int, dict[str, int]] = {}
         with self._reads.connect() as connection:
@@ -634,8 +645,10 @@ class Store:
 
     def batch_counts(self) -> dict[str, int] | None:
         """Batches of the batch API by status; None where the schema has no such table yet."""
-        if not inspect(self.engine).has_table(BATCHES_TABLE):
-            return None
+        if not self._has_batches:
+            if not inspect(self.engine).has_table(BATCHES_TABLE):
+                return None
+            self._has_batches = True
         with self._reads.connect() as connection:
             rows = connection.execute(text(f"SELECT status, count(*) FROM {BATCHES_TABLE} "
                                            "GROUP BY status"))
@@ -765,6 +778,14 @@ class Store:
         with self._reads.connect() as connection:
             rows = connection.execute(self._statuses, {"job_ids": list(job_ids)}).all()
         return {job_id: JobStatus(status) for job_id, status in rows}
+
+    def cancelled_among(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these jobs were cancelled, filtered in the store: a worker checks the jobs
+        it runs every few seconds, nearly none of them cancelled."""
+        query = select(Job.id).where(self._among(Job.id, job_ids),
+                                     Job.status == JobStatus.CANCELLED.value)
+        with self._reads.connect() as connection:
+            return list(connection.scalars(query))
 
     def count_unfinished(self, job_ids: Sequence[str]) -> int:
         with self._reads.connect() as connection:

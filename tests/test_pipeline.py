@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -17,10 +16,11 @@ from jobsvc.compression import decompress, is_zstd_frame
 from jobsvc.keys import LOAD_KEY, queue_name
 from jobsvc.local import LocalWorkers
 from jobsvc.routing.cost import decode_load
-from jobsvc.routing.state import parse_loads
+from jobsvc.routing.state import loads_of
 from jobsvc.settings import Settings
 from jobsvc.store import Document, Job, Result, Store, utcnow
 from jobsvc.workloads import document, document_questions, question
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_shard_loads_return_to_where_they_were_once_the_jobs_end(client: Client,
     broker = redis.Redis.from_url(settings.redis_url)
 
     def total_load() -> int:
-        return sum(parse_loads(broker.hgetall(LOAD_KEY), settings.shards))
+        return sum(loads_of(broker.hgetall(LOAD_KEY), range(settings.shards)))
 
     before = total_load()
     jobs = document_questions(documents=2, questions_per_document=3, words_per_document=300,
@@ -60,10 +60,7 @@ def test_shard_loads_return_to_where_they_were_once_the_jobs_end(client: Client,
     assert total_load() - before > len(ids) * decode_load(12, settings.routing_decode_cost) > 0
     client.wait(ids, timeout=TIMEOUT)
     # The worker returns the loads just after it commits the results the wait saw.
-    deadline = time.monotonic() + 10
-    while total_load() != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert total_load() == before
+    until("the loads paid back", lambda: total_load() == before, 10, every=0.05)
 
 
 def test_single_submit_returns_an_id_that_get_resolves(client: Client) -> None:
@@ -120,42 +117,29 @@ def test_cancelled_job_ends_cancelled_and_stays_so(client: Client) -> None:
     assert client.cancel(job_id) is False
 
 
-def test_cancelling_a_running_job_aborts_it_in_the_engine(client: Client,
-                                                          worker: LocalWorkers) -> None:
-    rng = random.Random(17)
+@pytest.mark.parametrize("noticed_by", ["cancel notice", "store check"])
+def test_cancelling_a_running_job_aborts_it_in_the_engine(
+        client: Client, worker: LocalWorkers, worker_store: Store, noticed_by: str) -> None:
+    """The worker hears of a cancel from the notice on the cancel channel or, were the notice
+    lost, from its periodic check of the store; its log says which."""
+    rng = random.Random(17 if noticed_by == "cancel notice" else 18)
     job_id = client.submit(document(rng, 100), question(rng), max_tokens=3000,
                            ignore_eos=True)
-    deadline = time.monotonic() + 60
-    while client.get(job_id).status is JobStatus.QUEUED and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.get(job_id).status is JobStatus.RUNNING
-    assert client.cancel(job_id) is True
-    (record,) = client.wait([job_id], timeout=TIMEOUT)
-    assert record.status is JobStatus.CANCELLED
-    deadline = time.monotonic() + 30
-    while f"aborts cancelled job {job_id}" not in worker.log_path(0).read_text(
-            errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert f"aborts cancelled job {job_id}" in worker.log_path(0).read_text(errors="replace")
-
-
-def test_a_running_job_whose_cancel_notice_was_lost_is_aborted_all_the_same(
-        client: Client, worker: LocalWorkers, worker_store: Store) -> None:
-    rng = random.Random(18)
-    job_id = client.submit(document(rng, 100), question(rng), max_tokens=3000,
-                           ignore_eos=True)
-    deadline = time.monotonic() + 60
-    while client.get(job_id).status is JobStatus.QUEUED and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # Cancelled in the store alone, as if the notice on the cancel channel never arrived.
-    with worker_store.engine.begin() as connection:
-        connection.execute(update(Job).where(Job.id == job_id).values(
-            status=JobStatus.CANCELLED.value, finished_at=utcnow()))
-    deadline = time.monotonic() + 30
-    while f"aborts cancelled job {job_id}" not in worker.log_path(0).read_text(
-            errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert f"aborts cancelled job {job_id}" in worker.log_path(0).read_text(errors="replace")
+    until("the job started", lambda: client.get(job_id).status is not JobStatus.QUEUED, 60,
+          every=0.05)
+    if noticed_by == "cancel notice":
+        assert client.get(job_id).status is JobStatus.RUNNING
+        assert client.cancel(job_id) is True
+        (record,) = client.wait([job_id], timeout=TIMEOUT)
+        assert record.status is JobStatus.CANCELLED
+    else:
+        # Cancelled in the store alone, as if the notice on the cancel channel never arrived.
+        with worker_store.engine.begin() as connection:
+            connection.execute(update(Job).where(Job.id == job_id).values(
+                status=JobStatus.CANCELLED.value, finished_at=utcnow()))
+    aborted = f"aborts cancelled job {job_id} ({noticed_by})"
+    until(f"the worker logs {aborted!r}",
+          lambda: aborted in worker.log_path(0).read_text(errors="replace"))
 
 
 def test_queue_messages_name_documents_without_carrying_them(routing_settings: Settings) -> None:

@@ -16,7 +16,7 @@ from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.policies import POLICIES
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import ROUTERS, Router, make_router, reset_routing_state
-from jobsvc.routing.state import ShardState, parse_loads
+from jobsvc.routing.state import ShardState, loads_of
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 
@@ -137,7 +137,7 @@ def test_decode_loads_keep_a_hot_documents_shard_from_looking_idle(routing_setti
         jobs = ([RoutingJob(hot, 36, charged_decode)] * 12
                 + [RoutingJob(doc, 36, charged_decode) for doc in others])
         routes = _router(routing_settings, shards=2).route(jobs)
-        loads = parse_loads(broker.hgetall(LOAD_KEY), 2)
+        loads = loads_of(broker.hgetall(LOAD_KEY), range(2))
         assert loads == [sum(route.load for route in routes if route.shard == shard)
                          for shard in range(2)]
         return [sum(route.estimated_prefill + decode for route in routes

@@ -137,13 +137,15 @@ class BatchRunner:
         tokenized = {text: tuple(ids) for text, ids in zip(texts, tokenize(texts), strict=True)}
         return [tokenized[part] if isinstance(part, str) else part for part in parts]
 
-    def abort_if_running(self, job_id: str) -> None:
+    def abort_if_running(self, job_id: str, via: str) -> None:
+        """Abort a cancelled job if it runs here; `via` names how the cancel arrived, for the
+        log."""
         with self._lock:
             running = job_id in self._running and job_id not in self._aborted
             if running:
                 self._aborted.add(job_id)
         if running:
-            log.info("shard %d aborts cancelled job %s", self.shard, job_id)
+            log.info("shard %d aborts cancelled job %s (%s)", self.shard, job_id, via)
             self._engine.abort(job_id)
 
     def running_jobs(self) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.health import SeenWorker, read_heartbeats
+from jobsvc.health import SeenWorker, read_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
 
@@ -48,11 +48,12 @@ def bind_device(settings: Settings, device: str | None) -> None:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# Seconds between a worker's heartbeats. Celery sends them whether or not anything watches,
-# every 2 s by default, each through a Redis client built for the publish: the most frequent
-# work of an idle worker's consumer thread, on cores the engine needs. Monitors (Flower) read
-# the interval off each heartbeat and keep the worker online for twice as long.
-HEARTBEAT_SECONDS = 10
+# Seconds between a worker's Celery event heartbeats (jobsvc's own are `jobsvc.health`'s).
+# Celery sends them whether or not anything watches, every 2 s by default, each through a
+# Redis client built for the publish: the most frequent work of an idle worker's consumer
+# thread, on cores the engine needs. Monitors (Flower) read the interval off each heartbeat
+# and keep the worker online for twice as long.
+CELERY_HEARTBEAT_SECONDS = 10
 
 
 def cpu_cores(device: str) -> set[int]:
@@ -155,7 +156,7 @@ def refuse_held_shard(settings: Settings, shard: int) -> None:
     on any host holds."""
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
     try:
-        seen = read_heartbeats(client).get(shard)
+        seen = read_heartbeat(client, shard)
     finally:
         client.close()
     if seen is not None and held_elsewhere(seen, settings.resolved_worker_host, os.getpid(),
@@ -185,6 +186,6 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
         "--concurrency", str(settings.worker_concurrency),
         "--hostname", worker_name(shard, settings.resolved_worker_host),
         "--loglevel", settings.log_level, "--without-mingle", "--without-gossip",
-        "--heartbeat-interval", str(HEARTBEAT_SECONDS),
+        "--heartbeat-interval", str(CELERY_HEARTBEAT_SECONDS),
     ], standalone_mode=False)
     raise SystemExit(exit_code or 0)

@@ -22,7 +22,6 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
@@ -137,6 +136,8 @@ class WorkerRuntime:
         """Abort cancelled jobs running here, told at once on the cancel channel; survives
         Redis restarts by resubscribing. A notice published while the subscription was down is
         lost, so every few seconds the store is asked too."""
+        runner = self.runner
+        assert runner is not None  # started by start(), once the runner is there
         checked = time.monotonic()
         while not self._stopped.is_set():
             try:
@@ -144,28 +145,27 @@ class WorkerRuntime:
                     pubsub.subscribe(CANCEL_CHANNEL)
                     while not self._stopped.is_set():
                         message = pubsub.get_message(timeout=1.0)
-                        if message is not None and self.runner is not None:
-                            self.runner.abort_if_running(
-                                message["data"].decode(errors="replace"))
+                        if message is not None:
+                            runner.abort_if_running(message["data"].decode(errors="replace"),
+                                                    "cancel notice")
                         if time.monotonic() - checked >= _CANCEL_CHECK_SECONDS:
                             checked = time.monotonic()
-                            self._abort_cancelled_in_store()
+                            self._abort_cancelled_in_store(runner)
             except redis.RedisError as error:
                 log.warning("cancel listener lost Redis (%s); resubscribing", error)
                 self._stopped.wait(1.0)
 
-    def _abort_cancelled_in_store(self) -> None:
-        running = self.runner.running_jobs() if self.runner is not None else []
+    def _abort_cancelled_in_store(self, runner: BatchRunner) -> None:
+        running = runner.running_jobs()
         if not running:
             return
         try:
-            statuses = self._store.statuses(running)
+            cancelled = self._store.cancelled_among(running)
         except SQLAlchemyError as error:
             log.warning("could not check running jobs for cancels: %s", type(error).__name__)
             return
-        for job_id, status in statuses.items():
-            if status is JobStatus.CANCELLED and self.runner is not None:
-                self.runner.abort_if_running(job_id)
+        for job_id in cancelled:
+            runner.abort_if_running(job_id, "store check")
 
     def _reconcile(self) -> None:
         while not self._stopped.wait(self.settings.requeue_interval):

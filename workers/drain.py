@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 
 import redis
+from kombu.exceptions import OperationalError
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.departures import ShardMover
 from jobsvc.keys import DRAINING_KEY
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # How often the worker looks for its drain flag, and for its batches to end.
 _CHECK_SECONDS = 1.0
+# What a broker, Redis or store outage raises while draining: the drain is tried again.
+_DRAIN_ERRORS = (redis.RedisError, SQLAlchemyError, OperationalError)
 
 
 class DrainWatch:
@@ -39,20 +43,23 @@ class DrainWatch:
         self._shut_down = shut_down
 
     def run(self, stopped: threading.Event) -> None:
-        """Wait for the drain flag (or `stopped`), then drain."""
+        """Wait for the drain flag (or `stopped`), then drain; a failed drain is tried again."""
         while not stopped.wait(_CHECK_SECONDS):
             try:
                 draining = bool(self._redis.sismember(DRAINING_KEY, self._shard))
             except redis.RedisError as error:
                 log.warning("shard %d cannot read its drain flag: %s", self._shard, error)
                 continue
-            if draining:
-                try:
-                    self._drain(stopped)
-                except redis.RedisError as error:
-                    log.error("shard %d could not finish draining (%s); drain it again",
-                              self._shard, error)
-                return
+            if not draining:
+                continue
+            try:
+                self._drain(stopped)
+            except _DRAIN_ERRORS as error:
+                # Asking to stop consuming again is harmless: the next pass starts over.
+                log.error("shard %d could not finish draining (%s: %s); trying again",
+                          self._shard, type(error).__name__, error)
+                continue
+            return
 
     def _drain(self, stopped: threading.Event) -> None:
         log.warning("shard %d is draining: taking no more messages", self._shard)

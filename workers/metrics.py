@@ -91,8 +91,7 @@ class WorkerMetrics(WorkerHooks):
             buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
 
     def on_jobs_finished(self, batch: FinishedBatch) -> None:
-        submitted = {job.job_id: _epoch(job.submitted_at) for job in batch.jobs}
-        estimated = {job.job_id: job.estimated_prefill for job in batch.jobs}
+        jobs = {job.job_id: job for job in batch.jobs}
         succeeded = [result for result in batch.results if result.error is None]
         self._succeeded.inc(len(succeeded))
         self._failed.inc(len(batch.results) - len(succeeded))
@@ -101,13 +100,14 @@ class WorkerMetrics(WorkerHooks):
         self._prompt.inc(prompt)
         self._cached.inc(cached)
         self._completion.inc(sum(result.completion_tokens for result in succeeded))
-        self._estimated_prefill.inc(sum(estimated[result.job_id] for result in succeeded))
+        self._estimated_prefill.inc(
+            sum(jobs[result.job_id].estimated_prefill for result in succeeded))
         self._actual_prefill.inc(prompt - cached)
         self._batch_jobs.observe(len(batch.results))
         self._batch_seconds.observe(
             max(0.0, max(result.finished_at for result in batch.results) - batch.admitted_at))
         for result in batch.results:
-            submitted_at = submitted[result.job_id]
+            submitted_at = _epoch(jobs[result.job_id].submitted_at)
             self._queue_wait.observe(max(0.0, batch.admitted_at - submitted_at))
             self._submit_to_result.observe(max(0.0, result.finished_at - submitted_at))
 

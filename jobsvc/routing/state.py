@@ -86,14 +86,13 @@ class ShardState:
         return placed, departed, loads_of(raw_loads, live)
 
     def claim(self, demands: Sequence[DocumentDemand], placements: Sequence[Placement],
-              departed: Mapping[str, int] | None = None) -> list[Placement]:
+              departed: Mapping[str, int]) -> list[Placement]:
         """Record where the new documents went and charge the shards; returns the placements
         that hold. `departed`: the shards that entries named, when read, for documents placed
         anew because those shards left. Round trips: one; a second only when another producer
         claimed one of the same new documents first, and then its choice wins."""
         keys = [demand.prefix_key for demand in demands]
         placements = list(placements)
-        departed = departed or {}
         claims = [index for index, placement in enumerate(placements) if placement.is_new]
         charges = loads_per_shard((placement.shard, demand.cost(placement.is_new))
                                   for demand, placement in zip(demands, placements, strict=True))
@@ -163,11 +162,6 @@ def _load_value(raw: bytes | None) -> int | None:
     except ValueError:
         return None
     return value if 0 <= value <= _LARGEST_LOAD else None
-
-
-def parse_loads(raw: Mapping[bytes, bytes], shards: int) -> list[int]:
-    """Outstanding work of shards 0..shards-1 from the load hash (`loads_of`)."""
-    return loads_of(raw, range(shards))
 
 
 def loads_of(raw: Mapping[bytes, bytes], shards: Sequence[int]) -> list[int]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from jobsvc.batchapi.batchstore import BatchRecord, BatchStore
+from jobsvc.batchapi.batchstore import COMPLETION_WINDOW, UNFINISHED, BatchRecord, BatchStore
 from jobsvc.batchapi.driver import BatchDriver, file_line
 from jobsvc.batchapi.filestore import CHUNK_BYTES
 from jobsvc.batchapi.lines import ENDPOINTS, split_lines
@@ -22,9 +22,7 @@ from jobsvc.errors import JobsvcError
 from jobsvc.server.services import Services
 from jobsvc.settings import Settings
 
-_FINAL = ("completed", "failed", "expired", "cancelled")
 _ROUND_SECONDS = 0.5
-_PAGE = 2000
 
 
 class BatchFileError(JobsvcError):
@@ -93,7 +91,7 @@ def run_batch(settings: Settings, input_path: Path, output_path: Path,
             while chunk := stream.read(CHUNK_BYTES):
                 writer.write(chunk)
         batch = services.batches.create(
-            endpoint=endpoint, input_file_id=writer.file_id, completion_window="24h",
+            endpoint=endpoint, input_file_id=writer.file_id, completion_window=COMPLETION_WINDOW,
             metadata={"source": "jobsvc run-batch"},
             window_seconds=settings.batch_window_seconds)
         driver = services.new_driver(only=batch.id)
@@ -123,7 +121,7 @@ def _drive(driver: BatchDriver, batches: BatchStore, batch: BatchRecord,
         current = batches.get(batch.id)
         assert current is not None
         progress.show(current)
-        if current.status in _FINAL:
+        if current.status not in UNFINISHED:
             return current
         time.sleep(_ROUND_SECONDS)
 
@@ -131,9 +129,7 @@ def _drive(driver: BatchDriver, batches: BatchStore, batch: BatchRecord,
 def _write_output(batches: BatchStore, batch: BatchRecord, model: str,
                   output_path: Path) -> None:
     ending = batch.status
-    after = 0
     with output_path.open("wb") as output:
-        while rows := batches.output_rows(batch.id, after, _PAGE):
+        for rows in batches.output_pages(batch.id):
             for row in rows:
                 output.write(jsonl(to_vllm_line(file_line(batch, ending, model, row)[1])))
-            after = rows[-1].line

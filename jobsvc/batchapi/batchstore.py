@@ -11,7 +11,7 @@ stalled past its lease learns it (LeaseLost) instead of writing over its success
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,12 +23,16 @@ from sqlalchemy.engine import Connection, Engine
 from jobsvc.batchapi.ingest import LineOutcome
 from jobsvc.batchapi.listing import page_rows
 from jobsvc.batchapi.tables import BatchLine, BatchRow
-from jobsvc.schema import JobStatus
+from jobsvc.schema import ACTIVE_STATUSES, JobStatus
 from jobsvc.store import Job, Result, utcnow
 
+# The one completion window a batch may ask for (OpenAI's).
+COMPLETION_WINDOW = "24h"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 # A cancel takes a batch in these states to `cancelling`; later ones are past cancelling.
 CANCELLABLE = ("validating", "in_progress")
+# Lines read per query for the output files.
+_OUTPUT_PAGE = 2000
 
 
 class LeaseLost(RuntimeError):
@@ -226,7 +230,7 @@ class BatchStore:
             select(func.count(),
                    _count(succeeded),
                    _count(or_(BatchLine.error.is_not(None), finished_badly)),
-                   _count(status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value])),
+                   _count(status.in_(ACTIVE_STATUSES)),
                    func.coalesce(func.sum(case((succeeded, Job.prompt_tokens), else_=0)), 0),
                    func.coalesce(func.sum(Result.cached_tokens), 0),
                    func.coalesce(func.sum(Result.completion_tokens), 0))
@@ -241,12 +245,20 @@ class BatchStore:
         """Up to `limit` of the batch's jobs that have not finished."""
         query = (select(Job.id).select_from(BatchLine).join(Job, Job.id == BatchLine.job_id)
                  .where(BatchLine.batch_id == batch_id,
-                        Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]))
+                        Job.status.in_(ACTIVE_STATUSES))
                  .limit(limit))
         with self._engine.connect() as connection:
             return list(connection.execute(query).scalars())
 
-    def output_rows(self, batch_id: str, after_line: int, limit: int) -> list[OutputRow]:
+    def output_pages(self, batch_id: str) -> Iterator[list[OutputRow]]:
+        """The batch's lines in order, with their jobs' outcomes: a page per query, so no
+        more than a page is held."""
+        after = 0
+        while rows := self._output_rows(batch_id, after, _OUTPUT_PAGE):
+            yield rows
+            after = rows[-1].line
+
+    def _output_rows(self, batch_id: str, after_line: int, limit: int) -> list[OutputRow]:
         """The batch's lines after `after_line`, in order, with their jobs' outcomes."""
         query = (
             select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,

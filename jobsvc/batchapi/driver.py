@@ -30,6 +30,7 @@ from jobsvc.batchapi.batchstore import (
     BatchStore,
     LeaseLost,
     OutputRow,
+    Tally,
 )
 from jobsvc.batchapi.filestore import FileStore, FileWriter
 from jobsvc.batchapi.ingest import Ingestor, LineOutcome
@@ -52,8 +53,8 @@ log = logging.getLogger(__name__)
 
 # Lines submitted per call: one routing decision, one transaction and one Redis pipeline each.
 SLICE_LINES = 1000
-# Lines read per query when writing the output files, and jobs cancelled per statement.
-_PAGE = 2000
+# Jobs cancelled per statement.
+_CANCEL_PAGE = 2000
 _ROUND_SECONDS = 1.0
 _FINAL_STATUS_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
                        "expired": "expired_at"}
@@ -124,7 +125,7 @@ class BatchDriver:
                 log.warning("batch %s waits: %s", batch.id, outage)
 
     def step(self, batch: BatchRecord) -> None:
-        expired = batch.expires_at is not None and utcnow() >= batch.expires_at
+        expired = _expired(batch)
         if batch.status == "validating":
             if expired:
                 self._end(batch, "expired")
@@ -135,9 +136,11 @@ class BatchDriver:
                 self._advance(batch, status_was="in_progress", status="finalizing",
                               ending="expired", finalizing_at=utcnow())
                 return
-            if self._batches.tally(batch.id).lines < batch.total:
+            tally = self._batches.tally(batch.id)
+            if tally.lines < batch.total:
                 self._ingest(batch)
-            self._follow(batch)
+                tally = self._batches.tally(batch.id)
+            self._follow(batch, tally)
         else:
             self._end(batch, batch.ending or "completed")
 
@@ -191,13 +194,11 @@ class BatchDriver:
             self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
                                        lines[-1].line)
             current = self._batches.get(batch.id)
-            if current is None or current.status != "in_progress" or (
-                    current.expires_at is not None and utcnow() >= current.expires_at):
+            if current is None or current.status != "in_progress" or _expired(current):
                 return
 
-    def _follow(self, batch: BatchRecord) -> None:
-        """Bring the request counts up to date; once every line has ended, finalize."""
-        tally = self._batches.tally(batch.id)
+    def _follow(self, batch: BatchRecord, tally: Tally) -> None:
+        """Bring the request counts up to `tally`; once every line has ended, finalize."""
         values: dict[str, Any] = {"completed": tally.succeeded, "failed": tally.failed,
                                   "usage": tally.usage()}
         if tally.lines == batch.total and tally.unfinished == 0:
@@ -213,15 +214,14 @@ class BatchDriver:
                           **{_FINAL_STATUS_STAMP[ending]: utcnow()})
             return
         if ending != "completed":
-            code = "batch_expired" if ending == "expired" else "batch_cancelled"
-            while job_ids := self._batches.unfinished_jobs(batch.id, _PAGE):
+            while job_ids := self._batches.unfinished_jobs(batch.id, _CANCEL_PAGE):
                 self._client.cancel_many(job_ids)
                 self._advance(batch)
             for lines in self._remaining(batch):
                 self._batches.record_lines(
                     batch.id, self.name, self._lease,
                     [LineOutcome(line.line, line.custom_id, None,
-                                 {"status_code": None, "error": ended_error(code)})
+                                 {"status_code": None, "error": ended_error(ending)})
                      for line in lines], lines[-1].line)
         tally = self._batches.tally(batch.id)
         with self._engine.connect() as connection, connection.begin():
@@ -239,12 +239,10 @@ class BatchDriver:
         each line in input order; a file with no line is not made."""
         files = {kind: _LazyFile(self._files, connection, f"{batch.id}_{kind}.jsonl")
                  for kind in ("output", "error")}
-        after = 0
-        while rows := self._batches.output_rows(batch.id, after, _PAGE):
+        for rows in self._batches.output_pages(batch.id):
             for row in rows:
                 kind, line = file_line(batch, ending, self._settings.served_model_name, row)
                 files[kind].write(jsonl(line))
-            after = rows[-1].line
             # A lease renewed on its own connection: this transaction has not touched the
             # batch's row yet, so it holds no lock the renewal would wait for.
             self._advance(batch)
@@ -254,8 +252,8 @@ class BatchDriver:
 def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
               ) -> tuple[str, dict[str, Any]]:
     """Which file a line goes to ("output" or "error") and the line itself."""
-    line_id = f"batch_req_{row.job_id or _line_id(batch.id, row.line)}"
-    request_id = f"req_{row.job_id or _line_id(batch.id, row.line)}"
+    suffix = row.job_id or _line_id(batch.id, row.line)
+    line_id, request_id = f"batch_req_{suffix}", f"req_{suffix}"
     if row.error is not None:
         if row.error["status_code"] is None:
             return "error", output_line(line_id, row.custom_id, error=row.error["error"])
@@ -275,8 +273,13 @@ def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
         return "error", output_line(line_id, row.custom_id, status_code=500,
                                     request_id=request_id,
                                     body=server_error(row.job_error or "the job failed"))
-    code = "batch_expired" if ending == "expired" else "batch_cancelled"
-    return "error", output_line(line_id, row.custom_id, error=ended_error(code))
+    return "error", output_line(line_id, row.custom_id, error=ended_error(ending))
+
+
+def _expired(batch: BatchRecord) -> bool:
+    """Whether the batch's completion window has ended (`expires_at` is set at create and
+    never changes)."""
+    return batch.expires_at is not None and utcnow() >= batch.expires_at
 
 
 def _line_id(batch_id: str, line: int) -> str:

@@ -47,9 +47,8 @@ class FileWriter:
     file's row when it is closed. Leaving the `with` block on an exception keeps nothing."""
 
     def __init__(self, engine: Engine, filename: str, purpose: str, *,
-                 limit: int | None = None, file_id: str | None = None,
-                 connection: Connection | None = None) -> None:
-        self.file_id = file_id or new_file_id()
+                 limit: int | None = None, connection: Connection | None = None) -> None:
+        self.file_id = new_file_id()
         self._filename = filename
         self._purpose = purpose
         self._limit = limit
@@ -118,10 +117,9 @@ class FileStore:
         self._engine = engine
 
     def writer(self, filename: str, purpose: str, *, limit: int | None = None,
-               file_id: str | None = None, connection: Connection | None = None) -> FileWriter:
+               connection: Connection | None = None) -> FileWriter:
         """A writer for a new file; inside `connection`'s transaction if one is given."""
-        return FileWriter(self._engine, filename, purpose, limit=limit, file_id=file_id,
-                          connection=connection)
+        return FileWriter(self._engine, filename, purpose, limit=limit, connection=connection)
 
     def get(self, file_id: str) -> FileRecord | None:
         with self._engine.connect() as connection:

@@ -12,11 +12,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobsvc.batchapi.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+
 # OpenAI's limit on requests in one batch file.
 MAX_LINES = 50_000
 # A failed file lists at most this many of its errors.
 MAX_LISTED_ERRORS = 100
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 
 
 def split_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:

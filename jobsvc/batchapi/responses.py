@@ -71,8 +71,10 @@ def output_line(line_id: str, custom_id: str, *, status_code: int | None = None,
     return {"id": line_id, "custom_id": custom_id, "response": response, "error": error}
 
 
-def ended_error(code: str) -> dict[str, str]:
-    """The `error` of a request that a cancel or the window's end stopped."""
+def ended_error(ending: str) -> dict[str, str]:
+    """The `error` of a request that the batch's end stopped: the window's end (`ending`
+    "expired") or a cancel (any other)."""
+    code = "batch_expired" if ending == "expired" else "batch_cancelled"
     return {"code": code, "message": ENDED_MESSAGES[code]}
 
 

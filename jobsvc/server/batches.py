@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from jobsvc.batchapi.batchstore import COMPLETION_WINDOW
 from jobsvc.batchapi.lines import ENDPOINTS
 from jobsvc.server.errors import ApiError, not_found
 from jobsvc.server.models import BatchList, BatchObject, CreateBatch
@@ -14,7 +15,6 @@ from jobsvc.server.services import services_of
 
 router = APIRouter(prefix="/v1/batches")
 
-COMPLETION_WINDOW = "24h"
 # OpenAI's limits on a batch's metadata.
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 

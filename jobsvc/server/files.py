@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -51,11 +50,7 @@ def file_content(request: Request, file_id: str) -> StreamingResponse:
     files = services_of(request).files
     if files.get(file_id) is None:
         raise not_found("file", file_id, "file_id")
-
-    def chunks() -> Iterator[bytes]:
-        yield from files.chunks(file_id)
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream")
+    return StreamingResponse(files.chunks(file_id), media_type="application/octet-stream")
 
 
 @router.delete("/{file_id}")

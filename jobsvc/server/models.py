@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from jobsvc.batchapi.batchstore import BatchRecord
+from jobsvc.batchapi.batchstore import BatchRecord, Tally
 from jobsvc.batchapi.filestore import FileRecord
 
 
@@ -87,9 +87,8 @@ class BatchUsage(BaseModel):
     total_tokens: int
 
 
-_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
-             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": 0}
+# The usage of a batch no request has counted in yet.
+_NO_USAGE = Tally(0, 0, 0, 0, 0, 0, 0).usage()
 
 
 class BatchObject(BaseModel):

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import redis
 from fastapi import Request
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Engine
 
 from jobsvc.batchapi.batchstore import BatchStore
 from jobsvc.batchapi.driver import BatchDriver
@@ -21,20 +20,23 @@ from jobsvc.fleet import FleetReader
 from jobsvc.metrics import fleet_registry
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
-from jobsvc.store import Store, make_engine
+from jobsvc.store import Store
 
 
 @dataclass
 class Services:
     settings: Settings
     client: Client
-    engine: Engine
+    # The database of the files, the batches and the fleet's metrics.
+    store: Store
     files: FileStore
     batches: BatchStore
     ingestor: Ingestor
     # The fleet's metrics (every shard's queue, unfinished jobs and load; batches by status),
     # read at each scrape of /metrics.
     metrics: CollectorRegistry
+    # The Redis client of those metrics.
+    fleet_redis: redis.Redis
     driver: BatchDriver | None = None
     # When this server started: the `created` time of the model it serves.
     started: int = field(default_factory=lambda: int(time.time()))
@@ -42,18 +44,19 @@ class Services:
     @classmethod
     def open(cls, settings: Settings) -> Services:
         client = Client(settings=settings)
-        engine = make_engine(settings.resolved_database_url)
+        store = Store(settings.resolved_database_url)
         ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
                             ChatTemplate(settings.model),
                             served_model=settings.served_model_name,
                             max_stop_chars=settings.max_stop_chars)
-        fleet = FleetReader(settings, redis.Redis.from_url(settings.redis_url),
-                            Store(settings.resolved_database_url))
-        return cls(settings, client, engine, FileStore(engine), BatchStore(engine), ingestor,
-                   fleet_registry(fleet.read))
+        fleet_redis = redis.Redis.from_url(settings.redis_url)
+        fleet = FleetReader(settings, fleet_redis, store)
+        return cls(settings, client, store, FileStore(store.engine), BatchStore(store.engine),
+                   ingestor, fleet_registry(fleet.read), fleet_redis)
 
     def new_driver(self, only: str | None = None) -> BatchDriver:
-        return BatchDriver(self.settings, self.client, self.ingestor, self.engine, only=only)
+        return BatchDriver(self.settings, self.client, self.ingestor, self.store.engine,
+                           only=only)
 
     def start_driver(self) -> None:
         self.driver = self.new_driver()
@@ -67,7 +70,8 @@ class Services:
         if self.driver is not None:
             self.driver.stop()
         self.client.close()
-        self.engine.dispose()
+        self.fleet_redis.close()
+        self.store.dispose()
 
 
 def services_of(request: Request) -> Services:

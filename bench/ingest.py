@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
-from jobsvc.batchapi.batchstore import BatchStore
-from jobsvc.local import settings_environment
+from jobsvc.batchapi.batchstore import BatchRecord, BatchStore
+from jobsvc.local import ServerProcess
 from jobsvc.settings import Settings
 from jobsvc.store import make_engine
 from jobsvc.workloads import document, question
@@ -61,32 +58,15 @@ def peak_rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def _serve(settings: Settings, port: int, log: Path) -> subprocess.Popen[bytes]:
-    environment = {**os.environ, **settings_environment(settings), "JOBSVC_API_KEY": _API_KEY}
-    with log.open("wb") as output:
-        server = subprocess.Popen([sys.executable, "-m", "jobsvc", "serve", "--port",
-                                   str(port)], env=environment, stdout=output,
-                                  stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, headers={
-                    "Authorization": f"Bearer {_API_KEY}"}).is_success:
-                return server
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    server.kill()
-    raise RuntimeError(f"jobsvc serve did not start; see {log}")
-
-
 def measure(settings: Settings, path: Path, port: int, log: Path) -> dict[str, Any]:
-    server = _serve(settings, port, log)
+    server = ServerProcess(replace(settings, api_key=_API_KEY), port, log)
+    server.start()
     try:
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=_API_KEY,
-                            timeout=600, max_retries=0)
+        api = openai.OpenAI(base_url=server.url, api_key=_API_KEY, timeout=600, max_retries=0)
         # Warm: the tokenizer and chat template load with a first, one-line batch.
-        warm = api.files.create(file=("warm.jsonl", io.BytesIO(
-            path.open("rb").readline())), purpose="batch")
+        with path.open("rb") as stream:
+            first_line = stream.readline()
+        warm = api.files.create(file=("warm.jsonl", io.BytesIO(first_line)), purpose="batch")
         batches = BatchStore(make_engine(settings.resolved_database_url))
         warm_batch = api.batches.create(input_file_id=warm.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
@@ -116,11 +96,10 @@ def measure(settings: Settings, path: Path, port: int, log: Path) -> dict[str, A
             "server_peak_rss_mib_after": round(peak_rss_kib(server.pid) / 1024, 1),
         }
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop(timeout=60)
 
 
-def _wait_ingested(batches: BatchStore, batch_id: str) -> Any:
+def _wait_ingested(batches: BatchStore, batch_id: str) -> BatchRecord:
     """Poll the batch's record until every line has its row (its job enqueued)."""
     while True:
         record = batches.get(batch_id)

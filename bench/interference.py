@@ -27,6 +27,7 @@ import numpy
 import psutil
 
 from bench.run import BenchOptions, bench_jobs, shard_devices
+from bench.standalone import Job, StandaloneEngines, as_job
 from jobsvc.settings import Settings
 
 # A touching co-runner writes one byte per cache line, this many bytes of its buffer at a time
@@ -92,9 +93,6 @@ def main() -> None:
         parser.error("--touch-mib must be 0 or more")
     # Standard output is for the JSON; the engine logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-    from bench.standalone import Job, StandaloneEngines, as_job
-
     settings = Settings.from_env(shards=1)
     touch_bytes = int(args.touch_mib * 1024 * 1024)
     cores = len(os.sched_getaffinity(0))

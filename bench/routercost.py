@@ -12,7 +12,6 @@ import json
 import os
 import random
 import time
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -44,13 +43,19 @@ def _server_totals(client: redis.Redis) -> tuple[int, int, float]:
             float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
 
 
+_DOCUMENTS_PER_SUBMIT = 4
+_QUESTIONS_PER_DOCUMENT = 4
+
+
 def _submits(rng: random.Random, documents: list[tuple[int, ...]], count: int,
              settings: Settings) -> list[list[RoutingJob]]:
-    """Submits of 4 documents x 4 questions, drawn from a pool the fleet has mostly seen."""
+    """Submits of _DOCUMENTS_PER_SUBMIT documents x _QUESTIONS_PER_DOCUMENT questions, drawn
+    from a pool the fleet has mostly seen."""
     keys = [document_keys(tokens, settings.block_size) for tokens in documents]
     decode = decode_load(16, settings.routing_decode_cost)
     return [[RoutingJob(keys[index], len(documents[index]) + 20, decode)
-             for index in rng.sample(range(len(keys)), 4) for _ in range(4)]
+             for index in rng.sample(range(len(keys)), _DOCUMENTS_PER_SUBMIT)
+             for _ in range(_QUESTIONS_PER_DOCUMENT)]
             for _ in range(count)]
 
 
@@ -58,8 +63,7 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
     with PrivateRedis() as server:
         pool = redis.ConnectionPool.from_url(server.url, connection_class=_CountingConnection)
         client = redis.Redis(connection_pool=pool)
-        settings = replace(Settings.from_env({}), redis_url=server.url, shards=shards,
-                           routing=policy)
+        settings = Settings.from_env({}, redis_url=server.url, shards=shards, routing=policy)
         for shard in range(shards):
             write_heartbeat(client, Heartbeat(
                 shard=shard, worker=f"shard{shard}@bench", host="bench", pid=os.getpid(),
@@ -75,8 +79,11 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
             for jobs in measured:
                 router.route(jobs)
         with _Counted(client) as live_read:
-            assert len(LiveShards(client, shards).shards()) == shards
-        return {"policy": policy, "shards": shards, "jobs_per_submit": 16,
+            live = LiveShards(client, shards).shards()
+        if len(live) != shards:
+            raise RuntimeError(f"{len(live)} of the {shards} shards read as live")
+        return {"policy": policy, "shards": shards,
+                "jobs_per_submit": _DOCUMENTS_PER_SUBMIT * _QUESTIONS_PER_DOCUMENT,
                 "per_submit": counted.per(submits),
                 # At most once per LIVE_SET_SECONDS per producer.
                 "live_set_read": live_read.per(1)}

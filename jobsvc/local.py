@@ -1,13 +1,16 @@
-"""Workers as child processes of this machine, for the demo, the benchmark and the tests:
-start one per shard, wait until each answers a ping, stop them with a warm shutdown."""
+"""Workers and the batch API server as child processes of this machine, for the demo, the
+benchmark and the tests: start one worker per shard, wait until each answers a ping, stop them
+with a warm shutdown; start `jobsvc serve`, wait until it answers /health, stop it."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +27,10 @@ from jobsvc.transport import make_celery
 
 class WorkerStartError(JobsvcError):
     """A local worker exited or did not become ready in time."""
+
+
+class ServerStartError(JobsvcError):
+    """A local `jobsvc serve` exited or did not answer in time."""
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
@@ -117,3 +124,70 @@ class LocalWorkers:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class ServerProcess:
+    """`jobsvc serve` as a child process on `port` of the loopback interface, seeing exactly
+    `settings` (API key included), with its log appended to `log_path`."""
+
+    def __init__(self, settings: Settings, port: int, log_path: Path, *,
+                 startup_timeout: float = 120) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.log_path = log_path
+        self._environment = {**os.environ, **settings_environment(settings)}
+        self._api_key = settings.api_key
+        self._timeout = startup_timeout
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise ServerStartError("the server has not been started")
+        return self._process.pid
+
+    def start(self) -> None:
+        """Start the server and return once it answers /health; a server that exits first (a
+        bad setting, or another process on the port) or never answers is an error."""
+        with self.log_path.open("ab") as log:
+            self._process = process = subprocess.Popen(
+                [sys.executable, "-m", "jobsvc", "serve", "--port", str(self.port)],
+                env=self._environment, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self._timeout
+        while not self._healthy():
+            if process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise ServerStartError(f"jobsvc serve exited with code {process.returncode}; "
+                                       f"log {self.log_path} ends with:\n{tail}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServerStartError(f"jobsvc serve did not answer in {self._timeout:.0f} s; "
+                                       f"see {self.log_path}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/health")
+        if self._api_key:
+            request.add_header("Authorization", f"Bearer {self._api_key}")
+        # No proxy: the server is on this machine's loopback interface.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(request, timeout=2) as response:
+                return 200 <= response.status < 300
+        except (OSError, http.client.HTTPException):  # refused, not up yet, or a non-2xx
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no lease handed back."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait()
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM (a graceful shutdown), then SIGKILL if it has not exited in `timeout`."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()

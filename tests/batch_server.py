@@ -3,21 +3,16 @@ as a `jobsvc serve` child process that a test can kill."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
 import uvicorn
 
-from jobsvc.local import settings_environment
+from jobsvc.local import ServerProcess
 from jobsvc.server.app import create_app
 from jobsvc.settings import Settings
 from tests.conftest import free_port
@@ -50,44 +45,6 @@ def server_in_thread(settings: Settings) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-class ServerProcess:
-    """`jobsvc serve` as a child process, with its log in `log_path`."""
-
-    def __init__(self, settings: Settings, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._environment = {**os.environ, **settings_environment(settings)}
-        self._log_path = log_path
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self._log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "jobsvc", "serve", "--port", str(self.port)],
-                env=self._environment, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self._process.poll() is None, self._log_path.read_text(errors="replace")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2,
-                             headers={"Authorization": f"Bearer {API_KEY}"}).is_success:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"jobsvc serve did not answer; see {self._log_path}")
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no lease handed back."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.send_signal(signal.SIGKILL)
-            self._process.wait()
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+def server_process(settings: Settings, log_path: Path) -> ServerProcess:
+    """`jobsvc serve` as a child process on a free port, not started yet."""
+    return ServerProcess(settings, free_port(), log_path)

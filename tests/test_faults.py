@@ -31,6 +31,7 @@ from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE, TEST_WORKER_NICE
 from tests.fault_tally import kill_tree, tally
 from tests.servers import PrivatePostgres, PrivateRedis, private_servers
+from tests.waiting import until
 
 pytestmark = pytest.mark.faults
 
@@ -44,6 +45,7 @@ class Harness:
     redis_server: PrivateRedis
     postgres: PrivatePostgres
     client: Client
+    store: Store
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +56,14 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
                                      batch_size=16, worker_concurrency=4, visibility_timeout=8,
                                      worker_nice=TEST_WORKER_NICE)
         workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
+        store = Store(settings.resolved_database_url)
         try:
             workers.start()
             with Client(settings=settings) as client:
-                yield Harness(settings, workers, redis_server, postgres, client)
+                yield Harness(settings, workers, redis_server, postgres, client, store)
         finally:
             workers.stop()
+            store.dispose()
 
 
 def _burst(client: Client, jobs: int, seed: int, max_tokens: int = 24) -> list[str]:
@@ -69,10 +73,8 @@ def _burst(client: Client, jobs: int, seed: int, max_tokens: int = 24) -> list[s
 
 
 def _wait_until_finished(client: Client, ids: list[str], count: int) -> None:
-    deadline = time.monotonic() + 120
-    while len(ids) - client.pending(ids) < count:
-        assert time.monotonic() < deadline, "the burst made no progress"
-        time.sleep(0.1)
+    until(f"{count} jobs of the burst finished",
+          lambda: len(ids) - client.pending(ids) >= count, 120, every=0.1)
 
 
 def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
@@ -88,12 +90,8 @@ def _engine_core(harness: Harness) -> psutil.Process:
 
 
 def _attempts(harness: Harness, ids: list[str]) -> set[int]:
-    store = Store(harness.settings.resolved_database_url)
-    with store.engine.connect() as connection:
-        attempts = set(connection.execute(
-            select(Job.attempts).where(Job.id.in_(ids))).scalars())
-    store.dispose()
-    return attempts
+    with harness.store.engine.connect() as connection:
+        return set(connection.execute(select(Job.attempts).where(Job.id.in_(ids))).scalars())
 
 
 def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
@@ -107,10 +105,8 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
     try:
         job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",
                                max_tokens=8, ignore_eos=True)
-        deadline = time.monotonic() + 60
-        while _attempts(harness, [job_id]) != {1}:
-            assert time.monotonic() < deadline, "the worker never claimed the job"
-            time.sleep(0.05)
+        until("the worker claimed the job", lambda: _attempts(harness, [job_id]) == {1}, 60,
+              every=0.05)
         time.sleep(stall)
     finally:
         engine_core.resume()
@@ -126,8 +122,7 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
     would store it, and enqueue them all in one batch message; returns the job IDs."""
     job_ids = {key: uuid.uuid4().hex for key in documents}
     message = BatchMessage(0, list(job_ids.values()), uuid.uuid4().hex)
-    store = Store(harness.settings.resolved_database_url)
-    store.record_submitted(
+    harness.store.record_submitted(
         [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
           "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()],
         [{"id": job_ids[key], "document_key": key, "question": "?", "sampling": {"max_tokens": 4},
@@ -135,7 +130,6 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
           "prompt_tokens": 4, "estimated_prefill": 4, "load": 4,
           "message_id": message.message_id, "submitted_at": utcnow(),
           "enqueued_at": utcnow()} for key in documents])
-    store.dispose()
     publish(make_celery(harness.settings), [message])
     return list(job_ids.values())
 
@@ -174,12 +168,9 @@ def test_cancelled_while_queued_never_runs_and_while_running_is_aborted(
     queued_victims = _burst(client, 4, seed=107)
     for job_id in queued_victims:
         assert client.cancel(job_id)
-    deadline = time.monotonic() + 60
-    running = None
-    while running is None and time.monotonic() < deadline:
-        running = next((job_id for job_id in busy
-                        if client.get(job_id).status is JobStatus.RUNNING), None)
-    assert running is not None
+    running = until("a running job", lambda: next(
+        (job_id for job_id in busy if client.get(job_id).status is JobStatus.RUNNING), None),
+        60, every=0.05)
     client.cancel(running)
     row = _tally(harness, "cancel queued + running", [*busy, *queued_victims])
     assert row["lost"] == 0 and row["duplicated"] == 0 and row["failed"] == 0
@@ -320,11 +311,9 @@ def test_a_producer_killed_between_recording_and_enqueueing_strands_no_job(
         [sys.executable, "-c", _KILLED_PRODUCER, marker], capture_output=True, timeout=120,
         env={**os.environ, **settings_environment(harness.settings)})
     assert producer.returncode == -signal.SIGKILL, producer.stderr.decode()[-2000:]
-    store = Store(harness.settings.resolved_database_url)
-    with store.engine.connect() as connection:
+    with harness.store.engine.connect() as connection:
         ids = list(connection.execute(
             select(Job.id).where(Job.question.startswith(marker))).scalars())
-    store.dispose()
     assert len(ids) == 40
     row = _tally(harness, "producer kill -9 mid-submit", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}

@@ -8,8 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from jobsvc.workloads import document_questions
 from tests.conftest import TEST_WORKER_NICE
 from tests.fault_tally import kill_tree, tally
 from tests.servers import private_servers
+from tests.waiting import until
 
 pytestmark = pytest.mark.faults
 
@@ -79,14 +79,6 @@ def _burst(client: Client, documents: int, seed: int, max_tokens: int = 6) -> li
                                "max_tokens": max_tokens, "ignore_eos": True} for job in work)
 
 
-def _wait_for(what: str, condition: Callable[[], bool], timeout: float = FINISH_TIMEOUT
-              ) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.5)
-
-
 def _tally(fleet: Fleet, scenario: str, ids: list[str]) -> dict[str, int]:
     return tally(fleet.client, fleet.settings.resolved_database_url, scenario, ids,
                  FINISH_TIMEOUT)
@@ -114,7 +106,8 @@ def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_join
     os.kill(worker.pid, signal.SIGSTOP)
     routed = _shards(client, ids)
     assert sum(shard == dead for shard in routed.values()) > 4 * 2
-    _wait_for("the first results", lambda: client.pending(ids) <= len(ids) - 2)
+    until("the first results", lambda: client.pending(ids) <= len(ids) - 2, FINISH_TIMEOUT,
+          every=0.5)
     kill_tree(psutil.Process(worker.pid))
     row = _tally(fleet, "worker kill -9, never back", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
@@ -163,8 +156,7 @@ def test_a_drained_shard_finishes_its_queue_elsewhere_and_its_worker_exits_0(
             [sys.executable, "-m", "jobsvc", "drain", "--shard", str(drained),
              "--timeout", "240"], env={**os.environ, **settings_environment(fleet.settings)},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _wait_for("the drain flag", lambda: bool(broker.sismember(DRAINING_KEY, drained)),
-                  timeout=10)
+        until("the drain flag", lambda: broker.sismember(DRAINING_KEY, drained), 10, every=0.5)
     finally:
         os.kill(worker.pid, signal.SIGCONT)
     out, err = drain.communicate(timeout=300)

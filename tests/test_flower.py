@@ -12,13 +12,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -29,8 +28,11 @@ from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 from tests.conftest import free_port
+from tests.waiting import until
 
 pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
 
 _DEADLINE_SECONDS = 60
 
@@ -80,18 +82,10 @@ def broker_page_queues(flower: str, credentials: str) -> dict[str, int]:
             for name, messages in _QUEUE_ROW.findall(page)}
 
 
-def _until(what: str, check: Any) -> Any:
-    deadline = time.monotonic() + _DEADLINE_SECONDS
-    while True:
-        try:
-            found = check()
-        except (urllib.error.URLError, ConnectionError):
-            found = None
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"Flower did not show {what} within {_DEADLINE_SECONDS} s")
-        time.sleep(1)
+def _until(what: str, check: Callable[[], T]) -> T:
+    """What Flower shows, once it shows it (a Flower not yet listening is retried)."""
+    return until(f"Flower shows {what}", check, _DEADLINE_SECONDS, every=1,
+                 ignoring=(urllib.error.URLError, ConnectionError))
 
 
 def test_flower_lists_the_worker_its_shard_queue_and_the_batches_it_ran(

@@ -7,12 +7,12 @@ from datetime import UTC, datetime
 
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from jobsvc.fleet import Fleet, ShardView
 from jobsvc.health import Heartbeat, SeenWorker
 from jobsvc.metrics import exposition, fleet_registry
 from jobsvc.store import ClaimedJob
+from tests.exposition import Samples, parse_samples
 from workers.engine import EngineResult
 from workers.hooks import FinishedBatch, HookChain, WorkerHooks
 from workers.metrics import WorkerMetrics
@@ -20,13 +20,11 @@ from workers.metrics import WorkerMetrics
 pytestmark = pytest.mark.unit
 
 
-def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def samples(registry: CollectorRegistry) -> Samples:
     """Every sample of the registry's text exposition, by name and labels."""
     text, content_type = exposition(registry)
     assert content_type.startswith("text/plain")
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text.decode())
-            for sample in family.samples}
+    return parse_samples(text.decode())
 
 
 def labels(**pairs: str) -> frozenset[tuple[str, str]]:

@@ -8,17 +8,14 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TypeVar
 
 import prometheus_client
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from jobsvc import Client
 from jobsvc.fleet import FleetReader
@@ -28,20 +25,17 @@ from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.metrics import fleet_registry
 from jobsvc.settings import Settings
 from jobsvc.store import Store
+from tests.exposition import Samples, parse_samples
+from tests.waiting import until
 from workers.heartbeat import BatchActivity, HeartbeatKeeper
 
 pytestmark = pytest.mark.integration
-
-T = TypeVar("T")
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(url: str) -> Samples:
     """Every sample a /metrics endpoint serves, parsed as Prometheus parses it."""
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+        return parse_samples(response.read().decode())
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:
@@ -49,15 +43,6 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     wanted = set(labels.items())
     return sum(value for (found, found_labels), value in samples.items()
                if found == name and wanted <= found_labels)
-
-
-def until(what: str, check: Callable[[], T], seconds: float = 30) -> T:
-    deadline = time.monotonic() + seconds
-    while not (found := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.2)
-    return found
 
 
 def test_the_workers_metrics_count_its_jobs_and_carry_the_engines_prefix_cache_counters(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from jobsvc.local import LocalWorkers
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from tests.conftest import set_pacing
+from tests.waiting import until
 from workers.engine import Pacing, gather_paced
 
 pytestmark = pytest.mark.bench
@@ -69,37 +71,38 @@ def test_pacing_comes_from_the_admission_settings() -> None:
     assert Pacing.from_settings(settings) == Pacing(8, 0.02)
 
 
+def _configured(settings: Settings) -> dict[str, Any]:
+    """The test worker's own pacing, as the pacing command takes and returns it."""
+    return {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
+
+
 def test_a_job_cancelled_while_its_chunk_waits_never_reaches_the_engine(
         settings: Settings, worker: LocalWorkers, client: Client) -> None:
     """One request per chunk, five seconds apart: the second job is cancelled once their
     batch is admitted, while its chunk waits, and is withdrawn before the engine sees it."""
-    configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
+    configured = _configured(settings)
     set_pacing(settings, 1, 5000.0)
     try:
         first, second = client.submit_many(
             {"document": "a document admitted one request at a time " * 20,
              "question": f"{which} question?", "max_tokens": 4, "ignore_eos": True}
             for which in ("first", "second"))
-        deadline = time.monotonic() + 60
-        while client.get(first).status is JobStatus.QUEUED:
-            assert time.monotonic() < deadline, "the batch was never admitted"
-            time.sleep(0.05)
+        until("the batch admitted", lambda: client.get(first).status is not JobStatus.QUEUED,
+              60, every=0.05)
         assert client.cancel(second)
         ran, withdrawn = client.wait([first, second], timeout=120)
         withdrawal = f"job {second} withdrawn before it reached the engine"
-        deadline = time.monotonic() + 30
-        while withdrawal not in worker.log_path(0).read_text(errors="replace"):
-            assert time.monotonic() < deadline, "the second job was not withdrawn"
-            time.sleep(0.2)
+        until("the second job withdrawn",
+              lambda: withdrawal in worker.log_path(0).read_text(errors="replace"))
     finally:
-        set_pacing(settings, configured["chunk"], configured["pause_ms"])
+        set_pacing(settings, **configured)
     assert (ran.status, ran.completion_tokens) == (JobStatus.SUCCEEDED, 4)
     assert withdrawn.status is JobStatus.CANCELLED
 
 
 def test_a_running_worker_paces_later_batches_as_told_and_says_what_it_replaced(
         settings: Settings, worker: LocalWorkers, client: Client) -> None:
-    configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
+    configured = _configured(settings)
     assert set_pacing(settings, 0, 0.0) == pytest.approx(configured)
     try:
         ids = client.submit_many({"document": "a document admitted at once " * 20,
@@ -108,13 +111,12 @@ def test_a_running_worker_paces_later_batches_as_told_and_says_what_it_replaced(
         records = client.wait(ids, timeout=120)
         assert [record.status for record in records] == [JobStatus.SUCCEEDED] * 12
     finally:
-        restored = set_pacing(settings, configured["chunk"], configured["pause_ms"])
+        restored = set_pacing(settings, **configured)
     assert restored == pytest.approx({"chunk": 0, "pause_ms": 0.0})
 
 
 def test_a_negative_pacing_is_refused_and_the_current_one_kept(
         settings: Settings, worker: LocalWorkers) -> None:
     assert ">= 0" in set_pacing(settings, -1, 15.0)["error"]
-    configured = {"chunk": settings.admission_chunk, "pause_ms": settings.admission_pause_ms}
-    assert set_pacing(settings, configured["chunk"], configured["pause_ms"]) == pytest.approx(
-        configured)
+    configured = _configured(settings)
+    assert set_pacing(settings, **configured) == pytest.approx(configured)

@@ -137,11 +137,17 @@ def test_cache_aware_never_picks_a_shard_above_the_load_bound() -> None:
     assert policy.choose(DOC_A, PROMPT) == 1
 
 
-def test_cache_aware_forgets_what_the_cache_can_no_longer_hold() -> None:
-    policy = cache_aware(shards=2, capacity=8)
+def three_documents_on_shard_0(capacity: int) -> CacheAwarePolicy:
+    """Two shards, the second busy, so that DOC_A, DOC_B and DOC_C, in turn, go to the first."""
+    policy = cache_aware(shards=2, capacity=capacity)
     policy.charge(1, 10)
     for doc in (DOC_A, DOC_B, DOC_C):
         assert policy.choose(doc, PROMPT) == 0
+    return policy
+
+
+def test_cache_aware_forgets_what_the_cache_can_no_longer_hold() -> None:
+    policy = three_documents_on_shard_0(capacity=8)
     assert [policy.overlap(0, doc) for doc in (DOC_A, DOC_B, DOC_C)] == [0, 4, 4]
     policy.charge(0, 20)
     assert policy.choose(DOC_A, PROMPT) == 1
@@ -208,10 +214,7 @@ def test_cache_aware_learns_from_reports_where_a_document_is_held() -> None:
 
 
 def test_cache_aware_learns_the_cache_capacity_from_misses_and_hits() -> None:
-    policy = cache_aware(shards=2, capacity=12)
-    policy.charge(1, 10)
-    for doc in (DOC_A, DOC_B, DOC_C):
-        policy.choose(doc, PROMPT)
+    policy = three_documents_on_shard_0(capacity=12)
     # The worker found none of DOC_C cached where four blocks were expected: its cache keeps
     # four blocks fewer than assumed, and the oldest document is forgotten.
     policy.observe(0, DOC_C, cached_tokens=0, expected_tokens=4 * BLOCK)

@@ -23,6 +23,7 @@ from jobsvc.simulate import (
     add_arguments,
     generate,
     load_jsonl,
+    run_from_args,
     run_simulation,
 )
 
@@ -174,8 +175,6 @@ def test_jsonl_jobs_are_tokenized_and_hashed_like_the_client(tmp_path: Path) -> 
 
 
 def test_cli_options_run_a_simulation_and_write_the_report(tmp_path: Path) -> None:
-    from jobsvc.simulate import run_from_args
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = tmp_path / "report.json"
@@ -192,8 +191,6 @@ def test_cli_options_run_a_simulation_and_write_the_report(tmp_path: Path) -> No
 
 
 def test_the_simulator_routes_with_the_services_settings_unless_told_otherwise() -> None:
-    from jobsvc.simulate import run_from_args
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--workload", "reuse", "--jobs", "50"])

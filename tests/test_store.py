@@ -13,7 +13,6 @@ from sqlalchemy.exc import IntegrityError
 
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.schema import BatchMessage, JobStatus
-from jobsvc.settings import Settings
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
 from tests.conftest import TEST_MESSAGE, claim, queued_job_row, record_queued_job
 
@@ -74,11 +73,12 @@ def test_statements_on_listed_jobs_look_them_up_by_key_not_by_status(
 
 
 def test_statements_repeated_on_one_connection_are_planned_for_the_table_as_it_is(
-        settings: Settings) -> None:
+        routing_database: str) -> None:
     # psycopg prepares a statement once it has been sent five times, and after five more
     # PostgreSQL may keep one generic plan for it, made for the table as it was then: a
     # worker's outcome writes kept scanning the whole jobs table they had found nearly empty.
-    store = Store(settings.resolved_database_url)
+    # A fresh store: its connection has prepared and planned none of these statements yet.
+    store = Store(routing_database)
     try:
         for _ in range(16):
             job_id = record_queued_job(store)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -66,8 +66,3 @@ def fleet_registry(read_fleet: Callable[[], Fleet]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(read_fleet))
     return registry
-
-
-def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """The registry in Prometheus's text format, and the content type to serve it with."""
-    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
+from jobsvc.exposition import exposition
 from jobsvc.fleet import Fleet, ShardView
 from jobsvc.health import Heartbeat, SeenWorker
-from jobsvc.metrics import exposition, fleet_registry
+from jobsvc.metrics import fleet_registry
 from jobsvc.store import ClaimedJob
 from tests.exposition import Samples, parse_samples
 from workers.engine import EngineResult

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from jobsvc.exposition import serve_registry
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from workers.hooks import FinishedBatch, WorkerHooks
@@ -38,8 +39,7 @@ def serve_metrics(settings: Settings, shard: int,
     if port is None:
         return None
     try:
-        prometheus_client.start_http_server(port, addr=settings.metrics_address,
-                                            registry=registry)
+        serve_registry(registry, settings.metrics_address, port)
     except OSError as error:
         log.error("shard %d serves no metrics: cannot listen on %s:%d (%s); free the port or "
                   "set JOBSVC_METRICS_PORT", shard, settings.metrics_address, port, error)

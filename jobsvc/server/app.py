@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
-from jobsvc.metrics import exposition
+from jobsvc.exposition import exposition
 from jobsvc.server import batches, files
 from jobsvc.server.auth import bearer_key_check
 from jobsvc.server.errors import install_error_handlers
@@ -33,8 +33,9 @@ def health() -> Health:
 
 @_meta.get("/metrics")
 def metrics(request: Request) -> Response:
-    """Prometheus's text format; behind the API key like every route."""
-    body, content_type = exposition(services_of(request).metrics)
+    """In the format the scraper asks for; behind the API key like every route."""
+    body, content_type = exposition(services_of(request).metrics,
+                                    request.headers.get("accept", ""))
     return Response(body, media_type=content_type)
 
 

@@ -795,15 +795,18 @@ class Store:
     def totals(self) -> dict[str, Any]:
         """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""
         by_status = select(Job.status, func.count()).group_by(Job.status)
+        # Token totals are of succeeded jobs (those with a result); the time span covers
+        # every job, whatever its status.
         tokens = select(func.coalesce(func.sum(Job.prompt_tokens), 0),
                         func.coalesce(func.sum(Result.completion_tokens), 0),
-                        func.coalesce(func.sum(Result.cached_tokens), 0),
-                        func.min(Job.submitted_at), func.max(Job.finished_at)
+                        func.coalesce(func.sum(Result.cached_tokens), 0)
                         ).join(Result, Result.job_id == Job.id)
+        span = select(func.min(Job.submitted_at), func.max(Job.finished_at))
         per_shard = select(Job.shard, func.count()).group_by(Job.shard).order_by(Job.shard)
         with self.engine.connect() as connection:
             statuses = dict(connection.execute(by_status).all())
-            prompt, completion, cached, first, last = connection.execute(tokens).one()
+            prompt, completion, cached = connection.execute(tokens).one()
+            first, last = connection.execute(span).one()
             shards = dict(connection.execute(per_shard).all())
         return {"statuses": statuses, "prompt_tokens": int(prompt),
                 "completion_tokens": int(completion), "cached_tokens": int(cached),

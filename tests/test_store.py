@@ -348,3 +348,18 @@ def test_a_claim_returns_its_jobs_in_the_order_the_message_gave_them(store: Stor
     claimed = store.claim_batch(given, message_id=TEST_MESSAGE, shard=0, redelivered=False,
                                 worker="w", max_attempts=3)
     assert [job.job_id for job in claimed.jobs] == given
+
+
+def test_totals_span_every_job_whatever_its_status(embedded: Store) -> None:
+    early = utcnow() - timedelta(hours=2)
+    queued = record_queued_job(embedded, submitted_at=early)
+    failed = record_queued_job(embedded, submitted_at=early + timedelta(minutes=1),
+                               status=JobStatus.FAILED.value, error="refused",
+                               finished_at=early + timedelta(minutes=2))
+    totals = embedded.totals()
+    assert totals["statuses"] == {"queued": 1, "failed": 1}
+    # Neither job has a result row: before, the span came from succeeded jobs alone.
+    assert totals["first_submitted"].replace(tzinfo=None) == early.replace(tzinfo=None)
+    assert totals["last_finished"].replace(tzinfo=None) == (
+        early + timedelta(minutes=2)).replace(tzinfo=None)
+    assert embedded.get_many([queued, failed]).keys() == {queued, failed}

@@ -48,13 +48,14 @@ def reconcile_lock(client: redis.Redis, *, wait: bool) -> Lock:
                        blocking_timeout=_LOCK_WAIT_SECONDS if wait else None)
 
 
-def dead_shards(workers: Mapping[int, SeenWorker], with_jobs: Iterable[int],
-                live: Iterable[int], timeout_s: float) -> set[int]:
-    """The shards that left the fleet: not live, and either their worker's last heartbeat is
-    older than `timeout_s` or no heartbeat is kept for them while jobs wait there."""
-    candidates = (set(workers) | set(with_jobs)) - set(live)
-    return {shard for shard in candidates
-            if (seen := workers.get(shard)) is None or seen.age_s > timeout_s}
+def dead_shards(silences: Mapping[int, float], live: Iterable[int], timeout_s: float, *,
+                own: int | None = None) -> set[int]:
+    """The shards that left the fleet: silent for longer than `timeout_s` (seconds by shard,
+    `jobsvc.health.read_silences`) and not live. Never `own`, the shard of the worker that
+    asks: it is alive, whatever Redis says of its heartbeat."""
+    live = set(live)
+    return {shard for shard, silent_s in silences.items()
+            if silent_s > timeout_s and shard not in live and shard != own}
 
 
 def routing_keys(job: MovableJob, block_size: int) -> DocumentKeys:
@@ -72,6 +73,19 @@ def rejoin(client: redis.Redis, shard: int) -> None:
         pipe.srem(DRAINING_KEY, shard)
         pipe.srem(DEPARTED_KEY, shard)
         pipe.execute()
+
+
+def rejoin_alive(client: redis.Redis, workers: Mapping[int, SeenWorker]) -> set[int]:
+    """Take departed shards whose workers are heartbeating back into the fleet (found dead
+    while they ran on, or back from a pause): should they truly die later, their routing
+    state is forgotten then. Returns the shards taken back."""
+    alive = {shard for shard, seen in workers.items() if seen.alive}
+    back = alive & {int(shard) for shard in client.smembers(DEPARTED_KEY)} if alive else set()
+    if back:
+        client.srem(DEPARTED_KEY, *back)
+        log.warning("shards %s were counted departed but their workers are alive: they "
+                    "rejoin the fleet", sorted(back))
+    return back
 
 
 class ShardMover:

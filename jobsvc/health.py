@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 
 import redis
 
-from jobsvc.keys import ALL_HEARTBEATS_PATTERN, heartbeat_key, shard_of_heartbeat
+from jobsvc.keys import (
+    ALL_HEARTBEATS_PATTERN,
+    SILENT_SINCE_KEY,
+    heartbeat_key,
+    shard_of_heartbeat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,35 @@ def read_heartbeat(client: redis.Redis, shard: int) -> SeenWorker | None:
         pipe.pttl(heartbeat_key(shard))
         raw, remaining_ms = pipe.execute()
     return _seen(shard, raw, remaining_ms)
+
+
+def read_silences(client: redis.Redis, workers: Mapping[int, SeenWorker],
+                  known: Iterable[int]) -> dict[int, float]:
+    """How long each shard with a heartbeat (`workers`) or otherwise `known` has been silent,
+    as far as Redis can tell, on its own clock; what Redis lost never makes a shard silent
+    longer. A heartbeat's age counts back no further than Redis's start: a server restored
+    from a snapshot keeps its keys' old expiry, and no worker could write while it was down.
+    A known shard without a heartbeat key is silent since that absence was first seen (kept
+    under SILENT_SINCE_KEY) or since Redis started, whichever is later."""
+    absent = set(known) - set(workers)
+    with client.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.info("server")
+        pipe.hgetall(SILENT_SINCE_KEY)
+        (seconds, microseconds), server, recorded = pipe.execute()
+    now = seconds + microseconds / 1_000_000
+    uptime = float(server["uptime_in_seconds"])
+    since = {int(shard): float(moment) for shard, moment in recorded.items()}
+    with client.pipeline(transaction=False) as pipe:
+        for shard in absent - since.keys():
+            pipe.hsetnx(SILENT_SINCE_KEY, shard, repr(now))
+        # A shard heard from again, or no longer known, starts afresh should it fall silent.
+        if gone := since.keys() - absent:
+            pipe.hdel(SILENT_SINCE_KEY, *gone)
+        pipe.execute()
+    silences = {shard: min(seen.age_s, uptime) for shard, seen in workers.items()}
+    silences.update({shard: min(now - since.get(shard, now), uptime) for shard in absent})
+    return silences
 
 
 def _seen(shard: int, raw: bytes | None, remaining_ms: int) -> SeenWorker | None:

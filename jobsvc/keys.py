@@ -83,5 +83,8 @@ def _shard_after(prefix: str, key: bytes | str) -> int | None:
 # routers leave out and whose workers stop once their work is done.
 DRAINING_KEY = "jobsvc:draining"
 # Shards found dead whose routing state (affinity entries, load, cache estimate) has been
-# forgotten; a worker that starts under such a number takes it out of the set.
+# forgotten; a worker that starts (or is seen alive again) under such a number takes it out.
 DEPARTED_KEY = "jobsvc:departed"
+# Shards known to reconcilers (by their jobs) that have no heartbeat key: shard -> the Redis
+# server time at which that absence was first seen, from which their silence counts.
+SILENT_SINCE_KEY = "jobsvc:silent_since"

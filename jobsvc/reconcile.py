@@ -8,7 +8,9 @@ died, a worker that ended jobs and lost Redis before returning their load). Work
 round every `requeue_interval` seconds; a Redis lock keeps two from running one at a time.
 Everything it reads scales with the unfinished jobs and the queued messages, not with the
 finished jobs. Before that, it moves the unfinished jobs of shards whose workers have been
-silent for `shard_timeout` seconds to live shards (`jobsvc.departures`).
+silent for `shard_timeout` seconds to live shards (`jobsvc.departures`): silent by their
+heartbeats as Redis keeps them, and never longer than Redis has known their absence, so a
+restarted Redis declares nobody dead; a worker's own round never counts its own shard dead.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ import redis
 from celery import Celery
 
 from jobsvc.batching import PlacedJob, form_batches
-from jobsvc.departures import RECONCILE_LOCK_SECONDS, ShardMover, dead_shards, reconcile_lock
-from jobsvc.health import read_heartbeats
+from jobsvc.departures import (
+    RECONCILE_LOCK_SECONDS,
+    ShardMover,
+    dead_shards,
+    reconcile_lock,
+    rejoin_alive,
+)
+from jobsvc.health import read_heartbeats, read_silences
 from jobsvc.keys import UNACKED_KEY, queue_name
 from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
 from jobsvc.routing.state import ShardState
@@ -70,11 +78,14 @@ def message_ids(raw_messages: Iterable[bytes]) -> set[str]:
 
 class Reconciler:
     def __init__(self, settings: Settings, client: redis.Redis, store: Store,
-                 celery: Celery) -> None:
+                 celery: Celery, *, own_shard: int | None = None) -> None:
+        """`own_shard`: the shard of the worker running these rounds, which they never count
+        dead (None for an operator's round)."""
         self._settings = settings
         self._redis = client
         self._store = store
         self._celery = celery
+        self._own_shard = own_shard
         self._shard_state = ShardState(client)
         self._mover = ShardMover(settings, client, store, celery)
         # Each shard's store-minus-Redis load difference at the last round: only a difference
@@ -101,13 +112,15 @@ class Reconciler:
 
     def _move_off_dead_shards(self) -> int:
         workers = read_heartbeats(self._redis)
+        rejoin_alive(self._redis, workers)
         try:
             live = live_shard_ids(workers, read_draining(self._redis), self._settings.shards)
         except NoLiveShard:
             return 0
         timeout = self._settings.shard_timeout
+        silences = read_silences(self._redis, workers, self._store.active_load())
         moved = 0
-        for shard in sorted(dead_shards(workers, self._store.active_load(), live, timeout)):
+        for shard in sorted(dead_shards(silences, live, timeout, own=self._own_shard)):
             # Jobs on a shard no worker ever reported for may have been routed there a moment
             # ago (producers assume the configured shards until one reports): they wait a
             # timeout too.

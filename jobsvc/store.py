@@ -28,6 +28,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     create_engine,
     event,
     func,
@@ -177,6 +178,9 @@ class ClaimedJob:
     sampling: dict[str, Any]
     estimated_prefill: int
     submitted_at: datetime
+    # Claimed before and never finished: the engine it ran in died, perhaps of this job, so
+    # it runs alone (see `charge_run_alone`).
+    suspect: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,7 +398,10 @@ class Store:
                    Job.message_id == bindparam("b_message_id"), _unfinished(Job.status),
                    or_(bindparam("redelivered", type_=Boolean),
                        and_(Job.worker.is_(None), Job.status != JobStatus.RUNNING.value)))
-            .values(worker=bindparam("worker"), attempts=Job.attempts + 1)
+            # A first claim counts as an attempt; a suspect's come as it runs alone.
+            .values(worker=bindparam("worker"),
+                    attempts=case((Job.worker.is_(None), Job.attempts + 1),
+                                  else_=Job.attempts))
             .returning(Job.id, Job.attempts, Job.document_key, Job.question,
                        Job.question_tokens_zst, Job.sampling, Job.estimated_prefill,
                        Job.submitted_at))
@@ -422,6 +429,16 @@ class Store:
         if self._dialect is postgresql:
             return column == any_(literal(list(values), postgresql.ARRAY(String)))
         return column.in_(list(values))
+
+    def _lock_in_order(self, connection: Connection, job_ids: Sequence[str]) -> None:
+        """Lock these unfinished jobs' rows in ID order, first thing in a transaction that
+        updates several: every such transaction then waits for the others in one order, and
+        none can hold a row another holds while it waits for one that other holds (a
+        deadlock, which fails one of them). SQLite writes one transaction at a time."""
+        if self._dialect is postgresql and job_ids:
+            connection.execute(select(Job.id).where(self._among(Job.id, sorted(set(job_ids))),
+                                                    _unfinished(Job.status))
+                               .order_by(Job.id).with_for_update(key_share=True))
 
     def _among_listed(self, column: Any, name: str) -> ColumnElement[bool]:
         """`_among` for a statement built once: the list is bound as parameter `name`."""
@@ -489,20 +506,24 @@ class Store:
                     redelivered: bool, worker: str, max_attempts: int) -> Claim:
         """Claim for this worker the jobs that this message may run and read what they run, in
         one transaction; they come back in the order given. Jobs finished, cancelled, on
-        another shard or owned by another message are left alone. A job delivered more than
+        another shard or owned by another message are left alone. A job claimed before and
+        not finished is a suspect. One that has stopped its engine while running alone
         `max_attempts` times ends failed instead, and so does one whose document reads back
         as neither tokens nor text (no delivery could run it). A batch asks several questions
         of each document: each is read once."""
         ended: list[tuple[int, int]] = []
         with self.engine.begin() as connection:
+            self._lock_in_order(connection, job_ids)
+            suspects = set(connection.scalars(select(Job.id).where(
+                self._among(Job.id, job_ids), Job.worker.is_not(None))))
             claimed = connection.execute(self._claim, {
                 "job_ids": list(job_ids), "b_message_id": message_id, "b_shard": shard,
                 "redelivered": redelivered, "worker": worker}).all()
             exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
                 ended += self._fail(
-                    connection, exhausted, f"gave up after {max_attempts} deliveries: the "
-                    "worker running this job stopped each time before it finished")
+                    connection, exhausted, f"gave up: the engine stopped each of the "
+                    f"{max_attempts} times this job ran alone in it")
             # In the message's order, whatever order the database returns them in: the
             # producer put a document's questions side by side, and the engine computes the
             # document once for neighbours that reach it together.
@@ -522,8 +543,17 @@ class Store:
                 continue
             tokens = _readable_tokens(f"job {row.id}'s question", row.question_tokens_zst)
             jobs.append(ClaimedJob(row.id, document, row.question if tokens is None else tokens,
-                                   row.sampling, row.estimated_prefill, row.submitted_at))
+                                   row.sampling, row.estimated_prefill, row.submitted_at,
+                                   row.id in suspects))
         return Claim(jobs, _load_by_shard(ended))
+
+    def charge_run_alone(self, job_id: str) -> bool:
+        """Count a suspect's run alone in the engine as an attempt, before it starts: if the
+        engine dies now, this job killed it. False if the job has ended meanwhile."""
+        with self.engine.begin() as connection:
+            return connection.execute(
+                update(Job).where(Job.id == job_id, _unfinished(Job.status))
+                .values(attempts=Job.attempts + 1).returning(Job.id)).first() is not None
 
     def _documents(self, connection: Connection, keys: set[str]
                    ) -> dict[str, tuple[int, ...] | str | None]:
@@ -608,6 +638,7 @@ class Store:
         if not rows:
             return set()
         with self.engine.begin() as connection:
+            self._lock_in_order(connection, [row["b_id"] for row in rows])
             connection.execute(statement, rows)
             return set(connection.scalars(select(Job.id).where(self._among(
                 Job.message_id, [message.message_id for message in messages]))))
@@ -618,6 +649,8 @@ class Store:
         gone)."""
         now = utcnow()
         with self.engine.begin() as connection:
+            self._lock_in_order(connection, [job_id for message in messages
+                                             for job_id in message.job_ids])
             for message in messages:
                 connection.execute(
                     update(Job).where(self._among(Job.id, message.job_ids),
@@ -674,6 +707,7 @@ class Store:
             first.setdefault(outcome.job_id, outcome)
         outcomes = list(first.values())
         with self.engine.begin() as connection:
+            self._lock_in_order(connection, [*(started or ()), *first])
             if started:
                 self._mark_started(connection, started)
             if batch_stats:
@@ -738,11 +772,12 @@ class Store:
             return None
 
     def cancel_many(self, job_ids: Sequence[str]) -> Cancelled:
-        """Cancel those of these jobs that have not finished, in one statement."""
+        """Cancel those of these jobs that have not finished, in one transaction."""
         with self.engine.begin() as connection:
             return self._cancel(connection, job_ids)
 
     def _cancel(self, connection: Connection, job_ids: Sequence[str]) -> Cancelled:
+        self._lock_in_order(connection, job_ids)
         rows = connection.execute(
             update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
             .values(status=JobStatus.CANCELLED.value, finished_at=utcnow())

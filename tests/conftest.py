@@ -60,11 +60,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
 
 
-# Test modules on private servers of their own. A run split over processes (pytest-xdist,
-# as the default options ask) runs these beside the rest, mostly waiting as they do on
-# timeouts; every other test shares the session's worker, database and Redis, so all of
-# those run in one process.
-PRIVATE_SERVER_MODULES = frozenset({"test_faults.py"})
+# Test modules with servers or workers of their own (private servers, or commands that start
+# their own workers). A run split over processes (pytest-xdist, as the default options ask)
+# runs these beside the rest, mostly waiting as they do on timeouts and restarts; every other
+# test shares the session's worker, database and Redis, so all of those run in one process.
+PRIVATE_SERVER_MODULES = frozenset({"test_faults.py", "test_liveness_faults.py",
+                                    "test_server_faults.py", "test_terminal.py"})
 
 
 class _ByServers(LoadScopeScheduling):

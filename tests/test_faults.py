@@ -29,9 +29,11 @@ from jobsvc.store import Job, Store, utcnow
 from jobsvc.transport import make_celery, publish
 from jobsvc.workloads import document_questions
 from tests.conftest import FAULT_TABLE, TEST_WORKER_NICE
-from tests.fault_tally import kill_tree, tally
+from tests.engine_killer import KILLER_PREFIX
+from tests.fault_tally import tally
 from tests.servers import PrivatePostgres, PrivateRedis, private_servers
 from tests.waiting import until
+from workers.celery_app import EXIT_ENGINE_DEAD
 
 pytestmark = pytest.mark.faults
 
@@ -52,9 +54,10 @@ class Harness:
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     with private_servers(6391, 5441) as (redis_server, postgres):
         settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                     requeue_interval=2, stranded_grace=5, max_attempts=3,
+                                     requeue_interval=2, stranded_grace=5, max_attempts=1,
                                      batch_size=16, worker_concurrency=4, visibility_timeout=8,
-                                     worker_nice=TEST_WORKER_NICE)
+                                     worker_nice=TEST_WORKER_NICE,
+                                     worker_hooks="tests.engine_killer:EngineKiller")
         workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
         store = Store(settings.resolved_database_url)
         try:
@@ -117,10 +120,14 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
     assert _attempts(harness, [job_id]) == {1}
 
 
-def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]) -> list[str]:
+def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]],
+                     first_id: str = "") -> list[str]:
     """Record one job per document, stored as given (text frame, token frame) as no producer
-    would store it, and enqueue them all in one batch message; returns the job IDs."""
+    would store it, and enqueue them all in one batch message; returns the job IDs. The first
+    job's ID starts with `first_id`."""
     job_ids = {key: uuid.uuid4().hex for key in documents}
+    first = next(iter(job_ids))
+    job_ids[first] = first_id + job_ids[first][len(first_id):]
     message = BatchMessage(0, list(job_ids.values()), uuid.uuid4().hex)
     harness.store.record_submitted(
         [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
@@ -219,37 +226,69 @@ def test_redis_restart_mid_burst_requeues_what_it_lost(harness: Harness) -> None
     assert all(process.poll() is None for process in harness.workers.processes)
 
 
-def test_kill_9_of_a_worker_mid_burst_delivers_its_batches_again(harness: Harness) -> None:
+def test_seeded_jobs_among_plain_ones_all_succeed(harness: Harness) -> None:
+    # Documents longer than a step's share of the engine's token budget: on CPU hosts a
+    # seeded request whose prefill was split over steps killed the engine.
+    work = document_questions(4, 4, 1200, seed=112)
+    ids = harness.client.submit_many(
+        {"document": job.document, "question": job.question, "max_tokens": 8,
+         "temperature": 1.0, **({"seed": index} if index % 2 else {})}
+        for index, job in enumerate(work))
+    row = _tally(harness, "seeded among plain", ids)
+    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    assert _attempts(harness, ids) == {1}
+
+
+def _gone_with_the_worker(processes: list[psutil.Process]) -> None:
+    """Every process the worker had started ends with it, in bounded time."""
+    _gone, alive = psutil.wait_procs(processes, timeout=30)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, [process.pid for process in alive]
+
+
+def test_kill_9_of_a_worker_mid_burst_ends_its_engine_and_delivers_its_batches_again(
+        harness: Harness) -> None:
     client = harness.client
     ids = _burst(client, 48, seed=105, max_tokens=48)
     _wait_until_finished(client, ids, 4)
     worker = harness.workers.processes[0]
-    kill_tree(psutil.Process(worker.pid))
+    started = psutil.Process(worker.pid).children(recursive=True)
+    assert any("EngineCore" in process.name() for process in started)
+    # The worker's main process alone, as the kernel's OOM killer or a supervisor would.
+    os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
+    _gone_with_the_worker(started)
     harness.workers.processes.clear()
     harness.workers.start()
-    row = _tally(harness, "worker kill -9", ids)
+    row = _tally(harness, "worker kill -9, engine ends with it", ids)
     assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
 
 
-def test_a_dead_engine_stops_the_worker_and_what_piles_up_meanwhile_runs_once_after_restart(
+def _died_of_its_engine(harness: Harness) -> None:
+    """Wait for the worker to exit on its engine's death, with everything it started."""
+    worker = harness.workers.processes[0]
+    started = psutil.Process(worker.pid).children(recursive=True)
+    assert worker.wait(timeout=FINISH_TIMEOUT) == EXIT_ENGINE_DEAD
+    _gone_with_the_worker(started)
+    harness.workers.processes.clear()
+
+
+def test_a_job_that_kills_its_engine_fails_alone_and_what_piles_up_meanwhile_runs_once(
         harness: Harness) -> None:
-    """One restart serves two scenarios: the dead engine's jobs, and what a broken or hostile
-    broker holds for the worker while it is down (copies, a forgery, garbage, lost
+    """Two restarts serve two scenarios. A job kills the engine in company: its
+    message-mates and the other messages' jobs in that engine run again, each alone, and the
+    culprit kills it once more, alone, and fails by itself. Meanwhile a broken or hostile
+    broker holds things for the worker while it is down (copies, a forgery, garbage, lost
     messages)."""
     client, queue = harness.client, queue_name(0)
     broker = redis.Redis.from_url(harness.settings.redis_url)
-    ids = _burst(client, 64, seed=106, max_tokens=48)
+    ids = _burst(client, 64, seed=106, max_tokens=24)
     _wait_until_finished(client, ids, 2)
-    worker = harness.workers.processes[0]
-    # Only this worker's engine processes: other workers of the test run keep theirs.
-    engine_processes = psutil.Process(worker.pid).children(recursive=True)
-    os.kill(_engine_core(harness).pid, signal.SIGKILL)
-    assert worker.wait(timeout=60) != 0
-    for leftover in engine_processes:
-        if leftover.is_running():
-            leftover.kill()
-    harness.workers.processes.clear()
+    culprit, *mates = _enqueue_by_hand(harness, {
+        uuid.uuid4().hex: (compress(b"text"), pack_tokens([7 + n, 8, 9])) for n in range(4)},
+        first_id=KILLER_PREFIX)
+    _died_of_its_engine(harness)
 
     queued_before = broker.llen(queue)
     lost = _burst(client, 8, seed=110)
@@ -268,9 +307,13 @@ def test_a_dead_engine_stops_the_worker_and_what_piles_up_meanwhile_runs_once_af
     publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
     broker.lpush(queue, b"not json at all", b"[1,2,3]")
     harness.workers.start()
+    _died_of_its_engine(harness)
+    harness.workers.start()
 
-    row = _tally(harness, "engine killed", ids)
-    assert row == {**row, "succeeded": len(ids), "lost": 0, "duplicated": 0}
+    row = _tally(harness, "a job kills its engine, twice", [*ids, *mates, culprit])
+    assert row == {**row, "succeeded": len(ids) + len(mates), "failed": 1, "lost": 0,
+                   "duplicated": 0}
+    assert "ran alone" in (client.get(culprit).error or "")
     row = _tally(harness, "copies x3, forgery, garbage, lost messages", [*asked, *lost])
     assert row == {**row, "succeeded": len(asked) + len(lost), "lost": 0, "duplicated": 0}
     records = {job_id: client.get(job_id) for job_id in asked}

@@ -52,15 +52,13 @@ def test_nothing_to_route_to_when_every_shard_drains() -> None:
 
 
 def test_a_shard_silent_past_the_timeout_is_dead_and_a_live_one_never() -> None:
-    workers = {0: _seen(0), 1: _seen(1, 61.0), 2: _seen(2, 30.0), 3: _seen(3, 90.0, stopped=True)}
-    assert dead_shards(workers, with_jobs=[], live=[0], timeout_s=60) == {1, 3}
-    assert dead_shards(workers, with_jobs=[], live=[0, 1], timeout_s=60) == {3}
+    silences = {0: 1.0, 1: 61.0, 2: 30.0, 3: 90.0}
+    assert dead_shards(silences, live=[0], timeout_s=60) == {1, 3}
+    assert dead_shards(silences, live=[0, 1], timeout_s=60) == {3}
 
 
-def test_a_shard_with_jobs_but_no_heartbeat_is_dead_unless_producers_still_assume_it() -> None:
-    workers = {0: _seen(0)}
-    assert dead_shards(workers, with_jobs=[0, 1], live=[0], timeout_s=60) == {1}
-    assert dead_shards({}, with_jobs=[0, 1], live=[0, 1], timeout_s=60) == set()
+def test_a_worker_never_counts_its_own_shard_dead() -> None:
+    assert dead_shards({1: 61.0, 3: 90.0}, live=[0], timeout_s=60, own=1) == {3}
 
 
 def test_a_shard_number_held_by_a_live_worker_elsewhere_is_refused() -> None:

@@ -19,15 +19,26 @@ from tests.conftest import TEST_MESSAGE, claim, queued_job_row, record_queued_jo
 pytestmark = pytest.mark.integration
 
 
-def test_a_job_delivered_more_than_max_attempts_times_ends_failed_with_the_reason(
+def test_a_job_that_stopped_its_engine_alone_max_attempts_times_ends_failed_with_the_reason(
         store: Store, queued_job: Callable[[], str]) -> None:
-    job_id = queued_job()
+    job_id, mate = queued_job(), queued_job()
+    first = store.claim_batch([job_id, mate], message_id=TEST_MESSAGE, shard=0,
+                              redelivered=False, worker="w", max_attempts=3)
+    assert [job.suspect for job in first.jobs] == [False, False]
+    # Deliveries that died in company charge nothing: only runs alone count.
+    for _ in range(3):
+        again = store.claim_batch([job_id], message_id=TEST_MESSAGE, shard=0,
+                                  redelivered=True, worker="w", max_attempts=3)
+        assert [(job.job_id, job.suspect) for job in again.jobs] == [(job_id, True)]
     for _ in range(3):
         assert set(claim(store, [job_id], redelivered=True)) == {job_id}
+        assert store.charge_run_alone(job_id)
     assert claim(store, [job_id], redelivered=True) == {}
     record = store.get_many([job_id])[job_id]
     assert record.status is JobStatus.FAILED
-    assert "gave up after 3 deliveries" in (record.error or "")
+    assert "stopped each of the 3 times this job ran alone" in (record.error or "")
+    assert not store.charge_run_alone(job_id)
+    assert store.get_many([mate])[mate].status is JobStatus.QUEUED
 
 
 def _plans(store: Store, call: Callable[[], object]) -> list[str]:
@@ -295,8 +306,9 @@ def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: St
     assert store.record_outcomes([outcome]) == {}
     assert store.cancel(cancelled) == {0: 20}
     assert store.cancel(cancelled) is None
+    claim(store, [exhausted])
     for _ in range(3):
-        claim(store, [exhausted], redelivered=True)
+        store.charge_run_alone(exhausted)
     given_up = store.claim_batch([exhausted], message_id=TEST_MESSAGE, shard=0,
                                  redelivered=True, worker="w", max_attempts=3)
     assert (given_up.jobs, given_up.released) == ([], {0: 40})

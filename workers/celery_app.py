@@ -30,6 +30,7 @@ from workers.batch import BatchRunner
 from workers.collector import CollectionWindow
 from workers.drain import DrainWatch
 from workers.engine import EngineAdapter, Pacing, engine_args
+from workers.engine_reaper import EngineReaper
 from workers.heartbeat import BatchActivity, HeartbeatKeeper
 from workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
 from workers.leases import LeaseKeeper
@@ -63,13 +64,15 @@ class WorkerRuntime:
         self._store = Store(settings.resolved_database_url)
         self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
                                     on_engine_dead=self._engine_died)
+        self._reaper = EngineReaper()
         self._feedback = CacheFeedback(self._redis)
         self._recorder = ResultRecorder(self._store, ShardState(self._redis),
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
         self._control = make_celery(settings)
-        self._reconciler = Reconciler(settings, self._redis, self._store, self._control)
+        self._reconciler = Reconciler(settings, self._redis, self._store, self._control,
+                                      own_shard=shard)
         self.activity = BatchActivity()
         self.name = worker_name(shard, settings.resolved_worker_host)
         self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, self.name, self.activity)
@@ -89,7 +92,9 @@ class WorkerRuntime:
 
     def start(self) -> None:
         self._heartbeat.start(metrics_port=serve_metrics(self.settings, self.shard))
+        self._reaper.start()
         self.engine.start()
+        self._reaper.engine_started()
         self._heartbeat.engine_started()
         # A fresh engine holds nothing: the router forgets its estimate for this shard, which
         # takes work again even if it had left the fleet or was being drained.
@@ -111,6 +116,7 @@ class WorkerRuntime:
         self.leases.stop()
         self._recorder.stop()
         self.engine.shutdown()
+        self._reaper.stop()
         self._store.dispose()
 
     def _stop_consuming(self) -> None:

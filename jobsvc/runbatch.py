@@ -35,7 +35,7 @@ def endpoint_of(path: Path) -> str:
         for _line, raw in split_lines(iter(lambda: stream.read(CHUNK_BYTES), b"")):
             try:
                 url = json.loads(raw).get("url")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 url = None
             if url not in ENDPOINTS:
                 raise BatchFileError(f"{path}: the first request's url must be one of "

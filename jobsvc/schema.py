@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -53,12 +54,31 @@ def _in_range(name: str, value: Any, low: float, high: float, *, integer: bool =
 
 
 MAX_STOP_STRINGS = 16
+# What PostgreSQL's text and the tokenizer refuse: NUL, and UTF-16 surrogates that pair with
+# nothing (a JSON escape such as "\ud800" decodes to one).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def text_fault(value: str) -> str | None:
+    """What makes `value` text that can be neither stored nor tokenized, or None."""
+    found = _UNSTORABLE.search(value)
+    if found is None:
+        return None
+    return "a NUL character" if found.group() == "\x00" else "a lone surrogate"
+
+
+def storable(value: str) -> str:
+    """`value` with each character `text_fault` names replaced by U+FFFD, to show it back."""
+    return _UNSTORABLE.sub("\ufffd", value)
 
 
 def _check_stop(name: str, value: Any, max_chars: int) -> None:
     if not isinstance(value, list | tuple) or not all(
             isinstance(item, str) and item for item in value) or len(value) > MAX_STOP_STRINGS:
         raise InvalidJob(f"{name} must be a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    for item in value:
+        if fault := text_fault(item):
+            raise InvalidJob(f"{name} has a string with {fault}; remove it")
     longest = max((len(item) for item in value), default=0)
     if longest > max_chars:
         raise InvalidJob(f"{name} has a string of {longest} characters, over the limit of "
@@ -105,12 +125,8 @@ def _check_text(name: str, value: Any, limit: int) -> str:
     if len(value) > limit:
         raise InvalidJob(f"{name} has {len(value)} characters, over the limit of {limit} "
                          f"(JOBSVC_MAX_{name.upper()}_CHARS)")
-    if "\x00" in value:
-        raise InvalidJob(f"{name} contains a NUL character")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidJob(f"{name} is not valid Unicode text (lone surrogate)") from None
+    if fault := text_fault(value):
+        raise InvalidJob(f"{name} contains {fault}; remove it")
     return value
 
 

@@ -110,6 +110,8 @@ class Settings:
     # accepted upload, and the model name the OpenAI API shows and batch lines must name.
     api_key: str = ""
     max_upload_bytes: int = 200_000_000
+    # Seconds a client may leave a request body waiting before the server gives up on it.
+    body_read_timeout: int = 30
     served_model_name: str = "jobsvc"
     # How long a batch may run before it expires (OpenAI's "24h"); shorter only in tests.
     batch_window_seconds: int = 86_400
@@ -178,9 +180,10 @@ class Settings:
                                      f"{', '.join(DTYPES)}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
-        if self.max_upload_bytes < 1 or self.batch_window_seconds < 1:
-            raise ConfigurationError(
-                "JOBSVC_MAX_UPLOAD_BYTES and JOBSVC_BATCH_WINDOW_SECONDS must be >= 1")
+        if self.max_upload_bytes < 1 or self.batch_window_seconds < 1 or (
+                self.body_read_timeout < 1):
+            raise ConfigurationError("JOBSVC_MAX_UPLOAD_BYTES, JOBSVC_BATCH_WINDOW_SECONDS and "
+                                     "JOBSVC_BODY_READ_TIMEOUT must be >= 1")
         if self.batch_lease_seconds < 3 or not self.served_model_name:
             raise ConfigurationError("JOBSVC_BATCH_LEASE_SECONDS must be >= 3 and "
                                      "JOBSVC_SERVED_MODEL_NAME not empty")

@@ -151,6 +151,14 @@ class BatchStore:
                                    BatchRow.id, after=after, limit=limit, ascending=False)
         return [_record(row) for row in rows], more
 
+    def unfinished_reading(self, file_id: str) -> str | None:
+        """An unfinished batch whose input is `file_id`, if there is one."""
+        with self._engine.connect() as connection:
+            return connection.execute(
+                select(BatchRow.id).where(BatchRow.input_file_id == file_id,
+                                          BatchRow.status.in_(UNFINISHED))
+                .order_by(BatchRow.created_at).limit(1)).scalar_one_or_none()
+
     def request_cancel(self, batch_id: str) -> BatchRecord | None:
         """Mark a validating or running batch `cancelling` (its driver does the rest); a
         batch past that is left as it is. None: no such batch."""

@@ -7,7 +7,9 @@ server killed mid-slice and restarted makes no job twice), follow its jobs, and 
 write the output and error files. Cancelling or expiry cancels the batch's unfinished jobs
 through `Client.cancel_many`, and the lines never submitted end with the same error code.
 Everything it knows is in the database: a restarted server, or another one once the lease
-runs out, carries on where this one stopped."""
+runs out, carries on where this one stopped. An outage of the database or Redis makes a step
+wait for the next round; anything else one batch raises fails that batch alone, and the
+round goes on to the others."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobsvc import compression
 from jobsvc.batchapi.batchstore import (
@@ -34,7 +38,15 @@ from jobsvc.batchapi.batchstore import (
 )
 from jobsvc.batchapi.filestore import FileStore, FileWriter
 from jobsvc.batchapi.ingest import Ingestor, LineOutcome
-from jobsvc.batchapi.lines import FileCheck, FileError, RequestLine, parse_line, split_lines
+from jobsvc.batchapi.lines import (
+    FileCheck,
+    FileError,
+    RawLine,
+    RequestLine,
+    max_line_bytes,
+    parse_line,
+    split_lines,
+)
 from jobsvc.batchapi.responses import (
     Answer,
     ended_error,
@@ -44,8 +56,8 @@ from jobsvc.batchapi.responses import (
     server_error,
 )
 from jobsvc.client import Client
-from jobsvc.errors import BrokerUnavailable, StorageUnavailable
-from jobsvc.schema import JobStatus
+from jobsvc.errors import BROKER_ERRORS, BrokerUnavailable, StorageUnavailable
+from jobsvc.schema import JobStatus, storable
 from jobsvc.settings import Settings
 from jobsvc.store import utcnow
 
@@ -58,6 +70,12 @@ _CANCEL_PAGE = 2000
 _ROUND_SECONDS = 1.0
 _FINAL_STATUS_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
                        "expired": "expired_at"}
+# What a lost database or Redis raises: the step is taken again next round (what it submitted
+# is found by key). Anything else a step raises is the batch's own and ends it.
+_OUTAGES = (StorageUnavailable, BrokerUnavailable, OperationalError, InterfaceError,
+            DisconnectionError, PoolTimeout, *BROKER_ERRORS)
+# Longest error message a failed batch keeps.
+_MESSAGE_CHARS = 500
 
 
 def driver_name() -> str:
@@ -120,9 +138,29 @@ class BatchDriver:
                 self.step(batch)
             except (LeaseLost, BatchChanged) as reason:
                 log.info("%s", reason)
-            except (StorageUnavailable, BrokerUnavailable) as outage:
-                # The step is taken again next round; what it submitted is found by key.
+            except _OUTAGES as outage:
                 log.warning("batch %s waits: %s", batch.id, outage)
+            except Exception as error:
+                log.exception("batch %s failed", batch.id)
+                self._fail(batch, error)
+
+    def _fail(self, batch: BatchRecord, error: Exception) -> None:
+        """End a batch that raised what no retry mends: its unfinished jobs cancelled, its
+        counts adding up (every line that did not succeed failed) and the error named."""
+        message = storable(f"the batch could not be run: {type(error).__name__}: "
+                           f"{error}")[:_MESSAGE_CHARS]
+        try:
+            while job_ids := self._batches.unfinished_jobs(batch.id, _CANCEL_PAGE):
+                self._client.cancel_many(job_ids)
+                self._advance(batch)
+            tally = self._batches.tally(batch.id)
+            self._advance(batch, status="failed", failed_at=utcnow(), driver=None,
+                          errors=[FileError("batch_failed", message).to_api()],
+                          completed=tally.succeeded, failed=batch.total - tally.succeeded,
+                          usage=tally.usage())
+        except Exception:
+            # Taken up again next round, from whatever state the batch is left in.
+            log.exception("batch %s could not be marked failed", batch.id)
 
     def step(self, batch: BatchRecord) -> None:
         expired = _expired(batch)
@@ -139,8 +177,8 @@ class BatchDriver:
             tally = self._batches.tally(batch.id)
             if tally.lines < batch.total:
                 self._ingest(batch)
-                tally = self._batches.tally(batch.id)
-            self._follow(batch, tally)
+            else:
+                self._follow(batch, tally)
         else:
             self._end(batch, batch.ending or "completed")
 
@@ -156,7 +194,7 @@ class BatchDriver:
                                           f"{batch.input_file_id} no longer exists"))
             check.failed = True
         else:
-            for line, raw in split_lines(self._files.chunks(batch.input_file_id)):
+            for line, raw in self._lines(batch):
                 check.add(line, raw)
                 if check.over_limit:
                     break
@@ -171,10 +209,16 @@ class BatchDriver:
                       total=check.requests)
         log.info("batch %s: %d requests, validated", batch.id, check.requests)
 
+    def _lines(self, batch: BatchRecord) -> Iterator[tuple[int, RawLine]]:
+        """The input file's request lines, none held longer than a request can be."""
+        return split_lines(self._files.chunks(batch.input_file_id),
+                           max_line_bytes(self._ingestor.context_length))
+
     def _remaining(self, batch: BatchRecord) -> Iterator[list[RequestLine]]:
-        """The lines not yet recorded, in slices (structure was checked at validation)."""
+        """The lines not yet recorded, in slices (structure was checked at validation); a
+        file deleted meanwhile raises FileVanished, which fails the batch."""
         lines: list[RequestLine] = []
-        for line, raw in split_lines(self._files.chunks(batch.input_file_id)):
+        for line, raw in self._lines(batch):
             if line <= batch.ingested_line:
                 continue
             lines.append(parse_line(line, raw, batch.endpoint))
@@ -185,17 +229,17 @@ class BatchDriver:
             yield lines
 
     def _ingest(self, batch: BatchRecord) -> None:
-        """Submit every line not yet submitted, a slice at a time; a cancel, the window's
-        end or the server stopping stops it between slices."""
+        """Submit every line not yet submitted, a slice at a time, the request counts moving
+        with each (the first slices' jobs finish while later ones are read); a cancel, the
+        window's end or the server stopping stops it between slices."""
         for lines in self._remaining(batch):
-            if self._stop.is_set():
+            if self._stop.is_set() or _expired(batch):
                 return
             outcomes = self._ingestor.ingest(batch.id, batch.endpoint, lines)
             self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
                                        lines[-1].line)
-            current = self._batches.get(batch.id)
-            if current is None or current.status != "in_progress" or _expired(current):
-                return
+            # BatchChanged once a cancel has come in: the next step ends the batch.
+            self._follow(batch, self._batches.tally(batch.id))
 
     def _follow(self, batch: BatchRecord, tally: Tally) -> None:
         """Bring the request counts up to `tally`; once every line has ended, finalize."""
@@ -217,12 +261,8 @@ class BatchDriver:
             while job_ids := self._batches.unfinished_jobs(batch.id, _CANCEL_PAGE):
                 self._client.cancel_many(job_ids)
                 self._advance(batch)
-            for lines in self._remaining(batch):
-                self._batches.record_lines(
-                    batch.id, self.name, self._lease,
-                    [LineOutcome(line.line, line.custom_id, None,
-                                 {"status_code": None, "error": ended_error(ending)})
-                     for line in lines], lines[-1].line)
+            if self._batches.tally(batch.id).lines < batch.total:
+                self._end_unread(batch, ending)
         tally = self._batches.tally(batch.id)
         with self._engine.connect() as connection, connection.begin():
             output_id, error_id = self._write_files(batch, ending, connection)
@@ -232,6 +272,15 @@ class BatchDriver:
                           usage=tally.usage(), **{_FINAL_STATUS_STAMP[ending]: utcnow()})
         log.info("batch %s %s: %d succeeded, %d failed", batch.id, ending, tally.succeeded,
                  tally.lines - tally.succeeded)
+
+    def _end_unread(self, batch: BatchRecord, ending: str) -> None:
+        """Record the lines never submitted as ended with the batch, error code `ending`."""
+        for lines in self._remaining(batch):
+            self._batches.record_lines(
+                batch.id, self.name, self._lease,
+                [LineOutcome(line.line, line.custom_id, None,
+                             {"status_code": None, "error": ended_error(ending)})
+                 for line in lines], lines[-1].line)
 
     def _write_files(self, batch: BatchRecord, ending: str, connection: Connection
                      ) -> tuple[str | None, str | None]:

@@ -1,6 +1,6 @@
-"""Files in PostgreSQL as numbered chunks of at most CHUNK_BYTES: an upload is written a chunk
-at a time as it arrives, and a file is read back a chunk at a time, so no file is ever whole
-in memory. A file becomes visible only when its last chunk commits."""
+"""Files in PostgreSQL as numbered chunks of at most CHUNK_BYTES: a file is written a chunk at a
+time and read back a chunk at a time, so no file is ever whole in memory. A file becomes
+visible only when its last chunk commits, and a reader that finds a chunk gone says so."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from jobsvc.store import utcnow
 CHUNK_BYTES = 1 << 20
 
 
-class FileTooLarge(ValueError):
-    """An upload went past its limit; nothing of it was kept."""
+class FileVanished(RuntimeError):
+    """A file was deleted while it was read: the bytes read so far are not the file, and
+    whoever reads them must not take them for it."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,15 @@ def _record(row: Any) -> FileRecord:
 
 class FileWriter:
     """Writes one file in one transaction: full chunks go to the database as they fill, the
-    file's row when it is closed. Leaving the `with` block on an exception keeps nothing."""
+    file's row when it is closed. Leaving the `with` block on an exception keeps nothing.
+    The transaction lasts as long as the writing: feed it from what is at hand (a local
+    file, a spooled upload, results), never from a client that may stall."""
 
     def __init__(self, engine: Engine, filename: str, purpose: str, *,
-                 limit: int | None = None, connection: Connection | None = None) -> None:
+                 connection: Connection | None = None) -> None:
         self.file_id = new_file_id()
         self._filename = filename
         self._purpose = purpose
-        self._limit = limit
         self._engine = engine
         self._own_connection = connection is None
         self._connection = connection
@@ -72,17 +74,10 @@ class FileWriter:
 
     def write(self, data: bytes) -> None:
         self.size += len(data)
-        if self._limit is not None and self.size > self._limit:
-            raise FileTooLarge(f"the file is larger than {self._limit} bytes "
-                               "(JOBSVC_MAX_UPLOAD_BYTES)")
         self._buffer += data
         while len(self._buffer) >= CHUNK_BYTES:
             self._flush(bytes(self._buffer[:CHUNK_BYTES]))
             del self._buffer[:CHUNK_BYTES]
-
-    def rename(self, filename: str) -> None:
-        """Set the file's name before it closes (an upload learns it from the form)."""
-        self._filename = filename
 
     def _flush(self, chunk: bytes) -> None:
         assert self._connection is not None
@@ -116,10 +111,10 @@ class FileStore:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def writer(self, filename: str, purpose: str, *, limit: int | None = None,
+    def writer(self, filename: str, purpose: str, *,
                connection: Connection | None = None) -> FileWriter:
         """A writer for a new file; inside `connection`'s transaction if one is given."""
-        return FileWriter(self._engine, filename, purpose, limit=limit, connection=connection)
+        return FileWriter(self._engine, filename, purpose, connection=connection)
 
     def get(self, file_id: str) -> FileRecord | None:
         with self._engine.connect() as connection:
@@ -144,13 +139,22 @@ class FileStore:
                 delete(StoredFile).where(StoredFile.id == file_id)).rowcount > 0
 
     def chunks(self, file_id: str) -> Iterator[bytes]:
-        """The file's bytes, a chunk per query, so no more than one chunk is held."""
-        seq = 0
-        while True:
+        """The file's bytes, a chunk per query, so no more than one chunk is held and no
+        transaction waits on the reader. A file deleted before its last byte is read raises
+        FileVanished rather than ending early: a short file is not the file."""
+        with self._engine.connect() as connection:
+            size = connection.execute(select(StoredFile.bytes).where(
+                StoredFile.id == file_id)).scalar_one_or_none()
+        if size is None:
+            raise FileVanished(f"file {file_id} was deleted before it was read")
+        read = seq = 0
+        while read < size:
             with self._engine.connect() as connection:
                 data = connection.execute(select(FileChunk.data).where(
                     FileChunk.file_id == file_id, FileChunk.seq == seq)).scalar_one_or_none()
             if data is None:
-                return
+                raise FileVanished(f"file {file_id} was deleted after {read} of its "
+                                   f"{size} bytes were read")
             yield data
+            read += len(data)
             seq += 1

@@ -60,12 +60,19 @@ class Ingestor:
         self._served_model = served_model
         self._max_stop_chars = max_stop_chars
 
+    @property
+    def context_length(self) -> int:
+        return self._prompts.context_length
+
     def ingest(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]
                ) -> list[LineOutcome]:
         """Submit the slice's valid lines as jobs; every line gets its outcome, in order."""
         errors: dict[int, LineError] = {}
         accepted: list[_Accepted] = []
         for request in lines:
+            if request.refused is not None:
+                errors[request.line] = request.refused
+                continue
             try:
                 parsed = parse_request(endpoint, request.body, served_model=self._served_model,
                                        max_stop_chars=self._max_stop_chars)

@@ -1,7 +1,9 @@
 """What one line of a batch file asks for, checked and mapped onto a job: the messages or the
 prompt, and sampling settings in jobsvc's terms (those of vLLM's SamplingParams). A line that
 asks for something wrong or unsupported fails alone, with an error naming the field, as an
-OpenAI endpoint would answer it with a 400. Pure: plain values in, plain values out."""
+OpenAI endpoint would answer it with a 400 (text that cannot be stored or tokenized was
+refused before, with the line: `jobsvc.batchapi.lines`). Pure: plain values in, plain values
+out."""
 
 from __future__ import annotations
 
@@ -164,11 +166,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise _unsupported(f"messages[{index}].role", f"the role {role!r}")
         if message.get("tool_calls"):
             raise _unsupported(f"messages[{index}].tool_calls", "tool calling")
-        text = _text_content(index, message.get("content"))
-        if "\x00" in text:
-            raise LineError(f"messages[{index}].content contains a NUL character",
-                            f"messages[{index}].content")
-        messages.append({"role": _ROLES[role], "content": text})
+        messages.append({"role": _ROLES[role],
+                         "content": _text_content(index, message.get("content"))})
     return messages
 
 
@@ -178,8 +177,6 @@ def _prompt(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise LineError("prompt must be one non-empty string (lists of prompts and token IDs "
                         "are not supported)", "prompt")
-    if "\x00" in value:
-        raise LineError("prompt contains a NUL character", "prompt")
     return value
 
 

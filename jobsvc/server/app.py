@@ -1,16 +1,17 @@
-"""The FastAPI application of `jobsvc serve`: one router per resource, one error shape,
-bearer authentication on every route, and the batch driver running for the app's life."""
+"""The FastAPI application of `jobsvc serve`: one router per resource, one error shape, every
+request inside its bounds (the key checked before any body is read), and the batch driver
+running for the app's life."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 
 from jobsvc.exposition import exposition
 from jobsvc.server import batches, files
-from jobsvc.server.auth import bearer_key_check
+from jobsvc.server.bounds import RequestBounds
 from jobsvc.server.errors import install_error_handlers
 from jobsvc.server.models import Health, ModelList, ModelObject
 from jobsvc.server.services import Services, services_of
@@ -51,7 +52,10 @@ def create_app(settings: Settings) -> FastAPI:
             services.close()
 
     app = FastAPI(title="jobsvc", lifespan=lifespan, openapi_url=None, docs_url=None,
-                  redoc_url=None, dependencies=[Depends(bearer_key_check(settings.api_key))])
+                  redoc_url=None)
+    app.add_middleware(RequestBounds, api_key=settings.api_key,
+                       upload_bytes=settings.max_upload_bytes,
+                       read_timeout=settings.body_read_timeout)
     install_error_handlers(app)
     for router in (files.router, batches.router, _meta):
         app.include_router(router)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from jobsvc.batchapi.batchstore import COMPLETION_WINDOW
 from jobsvc.batchapi.lines import ENDPOINTS
 from jobsvc.server.errors import ApiError, not_found
-from jobsvc.server.models import BatchList, BatchObject, CreateBatch
+from jobsvc.server.models import BatchList, BatchObject, CreateBatch, RequestText
 from jobsvc.server.services import services_of
 
 router = APIRouter(prefix="/v1/batches")
@@ -57,7 +57,7 @@ def create_batch(request: Request, body: CreateBatch) -> BatchObject:
 
 
 @router.get("")
-def list_batches(request: Request, after: str | None = None,
+def list_batches(request: Request, after: RequestText | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> BatchList:
     services = services_of(request)
     records, has_more = services.batches.page(after=after, limit=limit)
@@ -66,7 +66,7 @@ def list_batches(request: Request, after: str | None = None,
 
 
 @router.get("/{batch_id}")
-def retrieve_batch(request: Request, batch_id: str) -> BatchObject:
+def retrieve_batch(request: Request, batch_id: RequestText) -> BatchObject:
     services = services_of(request)
     batch = services.batches.get(batch_id)
     if batch is None:
@@ -75,7 +75,7 @@ def retrieve_batch(request: Request, batch_id: str) -> BatchObject:
 
 
 @router.post("/{batch_id}/cancel")
-def cancel_batch(request: Request, batch_id: str) -> BatchObject:
+def cancel_batch(request: Request, batch_id: RequestText) -> BatchObject:
     services = services_of(request)
     batch = services.batches.request_cancel(batch_id)
     if batch is None:

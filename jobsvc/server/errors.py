@@ -10,11 +10,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from jobsvc.errors import BrokerUnavailable, StorageUnavailable
+from jobsvc.schema import storable
 
 log = logging.getLogger(__name__)
+
+# Seconds a client is asked to wait before trying again when the database or Redis is down:
+# the official client honours Retry-After on its retries.
+RETRY_AFTER_SECONDS = 5
 
 
 class ApiError(Exception):
@@ -39,8 +46,9 @@ def not_found(what: str, object_id: str, param: str | None = None) -> ApiError:
 
 
 def _field(location: tuple[Any, ...]) -> str | None:
-    """The request field a validation error is about ("body", "query" dropped)."""
-    parts = [str(part) for part in location[1:]] if location else []
+    """The request field a validation error is about ("body", "query" dropped), as text that
+    can be sent back (a metadata key may be anything)."""
+    parts = [storable(str(part)) for part in location[1:]] if location else []
     return ".".join(parts) or None
 
 
@@ -65,9 +73,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StorageUnavailable)
     @app.exception_handler(BrokerUnavailable)
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)
     async def _outage(_request: Request, error: Exception) -> JSONResponse:
-        return ApiError(503, str(error), kind="server_error", code="service_unavailable"
-                        ).response()
+        """The database or Redis is down or saturated: a 503 the client may retry later,
+        answered (not raised) so that the connection stays usable."""
+        log.warning("store unavailable: %s", error)
+        reason = str(error) if isinstance(error, (StorageUnavailable, BrokerUnavailable)) else (
+            "the database is unavailable; try again later")
+        return ApiError(503, reason, kind="server_error", code="service_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception) -> JSONResponse:

@@ -1,16 +1,29 @@
 """The response objects, each field the official `openai` client's types declare pinned
 (`FileObject`, `Batch`, `BatchRequestCounts`, `BatchUsage`, `BatchError`, `Model`, the cursor
-pages), and the one request body the server parses as JSON."""
+pages), the one request body the server parses as JSON, and the text a request may give."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 
 from jobsvc.batchapi.batchstore import BatchRecord, Tally
 from jobsvc.batchapi.filestore import FileRecord
+from jobsvc.schema import text_fault
+
+
+def _storable(value: str) -> str:
+    if fault := text_fault(value):
+        raise ValueError(f"contains {fault}; remove it")
+    return value
+
+
+# Text a request gives that the server stores or looks up (IDs, cursors, names, metadata):
+# PostgreSQL's text refuses what `text_fault` names, so it is the client's 400, naming the
+# field, before the database is asked.
+RequestText = Annotated[str, AfterValidator(_storable)]
 
 
 def _seconds(moment: datetime | None) -> int | None:
@@ -151,10 +164,10 @@ class CreateBatch(BaseModel):
     """POST /v1/batches. `endpoint` and `completion_window` are checked by the route, which
     names the field in its 400."""
 
-    input_file_id: str
+    input_file_id: RequestText
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = None
+    metadata: dict[RequestText, RequestText] | None = None
     output_expires_after: dict[str, Any] | None = None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,7 +134,7 @@ def _flower(settings: Settings, args: argparse.Namespace) -> None:
 
     # In this process, with this interpreter's Celery and Flower: nothing need be on PATH,
     # and the broker URL, which may hold a password, appears on no command line.
-    raise SystemExit(run_flower(settings, args.address))
+    raise SystemExit(run_flower(settings, args.address, open_=args.open))
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> None:
@@ -235,12 +236,30 @@ def build_parser() -> argparse.ArgumentParser:
     drain.set_defaults(run=_drain)
     flower = commands.add_parser("flower", help="run Flower on the shard queues")
     flower.add_argument("--address", default="127.0.0.1")
+    flower.add_argument("--open", action="store_true",
+                        help="run without a password (FLOWER_BASIC_AUTH unset), on a loopback "
+                             "address only")
     flower.set_defaults(run=_flower)
     return parser
 
 
+# Commands that handle SIGTERM themselves: Celery's worker, uvicorn, Flower.
+_OWN_SIGTERM = frozenset({"worker", "serve", "flower"})
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (as `timeout`, a supervisor or `kill` send it) unwinds like Ctrl-C, so the
+    with-blocks of `demo` and `bench` stop the workers and engines they started."""
+
+
+def _terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command not in _OWN_SIGTERM:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         settings = Settings.from_env()
         configure_logging(settings.log_level, explicit="JOBSVC_LOG_LEVEL" in os.environ,
@@ -249,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except JobsvcError as error:
         print(f"jobsvc: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # The with-blocks on the way here stopped what the command started: no traceback.
-        print("\njobsvc: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        terminated = isinstance(stop, _Terminated)
+        print(f"\njobsvc: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        raise SystemExit(128 + (signal.SIGTERM if terminated else signal.SIGINT)) from None

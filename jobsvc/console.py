@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -80,11 +81,16 @@ class StatusLine:
 class ProgressBar:
     """Items finished toward a total, on standard error unless told otherwise: a tqdm bar
     redrawn in place on a terminal; elsewhere a StatusLine, so a captured run gets a plain
-    line now and then instead of a stream of redraws."""
+    line now and then instead of a stream of redraws.
+
+    On a terminal the bar is also redrawn every `tick` seconds whether or not anything
+    finished, so its elapsed time, rate and estimate keep moving while a long message runs
+    (a bar that stands still looks like a hung program). The rate is the average since the
+    start, so the estimate counts down between finishes."""
 
     def __init__(self, total: int, description: str, *, unit: str = "job",
                  stream: TextIO | None = None, every: float = PLAIN_LINE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tick: float = 1.0) -> None:
         self._stream = stream or sys.stderr
         self._total = total
         self._description = description
@@ -92,12 +98,24 @@ class ProgressBar:
         self.done = 0
         self._bar: tqdm | None = None
         self._line: StatusLine | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._ticker: threading.Thread | None = None
         if self._stream.isatty():
             self._bar = tqdm(total=total, desc=description, unit=unit, file=self._stream,
-                             dynamic_ncols=True)
+                             dynamic_ncols=True, smoothing=0)
+            self._ticker = threading.Thread(target=self._tick, args=(tick,),
+                                            name="progress-tick", daemon=True)
+            self._ticker.start()
         else:
             self._line = StatusLine(self._stream, every=every, clock=clock)
             self._line.update(self._plain())
+
+    def _tick(self, seconds: float) -> None:
+        while not self._stopped.wait(seconds):
+            with self._lock:
+                if self._bar is not None and not self._stopped.is_set():
+                    self._bar.refresh()
 
     def advance(self, count: float) -> None:
         """Count `count` more finished (never past the total)."""
@@ -106,22 +124,27 @@ class ProgressBar:
     def reach(self, done: float) -> None:
         """Set the count finished; a count known better than an earlier estimate may be lower."""
         done = int(max(0, min(self._total, done)))
-        if done == self.done:
-            return
-        if self._bar is not None:
-            self._bar.update(done - self.done)
-        self.done = done
-        if self._line is not None:
-            self._line.update(self._plain())
+        with self._lock:
+            if done == self.done:
+                return
+            if self._bar is not None:
+                self._bar.update(done - self.done)
+            self.done = done
+            if self._line is not None:
+                self._line.update(self._plain())
 
     def write(self, line: str) -> None:
         """A line of text above the bar."""
-        if self._bar is not None:
-            self._bar.write(line, file=self._stream)
-        else:
-            self._write(f"{line}\n")
+        with self._lock:
+            if self._bar is not None:
+                self._bar.write(line, file=self._stream)
+            else:
+                self._write(f"{line}\n")
 
     def close(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join()
         if self._bar is not None:
             self._bar.close()
         elif self._line is not None:

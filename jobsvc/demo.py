@@ -104,6 +104,6 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float,
         f"  -> {example.status.value}: {example.answer!r}",
     ]
     if redis_stays:
-        lines.append("watch queues in Flower: .venv/bin/jobsvc flower  (then http://127.0.0.1:"
-                     f"{settings.flower_port}/)")
+        lines.append("watch queues in Flower: FLOWER_BASIC_AUTH=user:password "
+                     f".venv/bin/jobsvc flower  (then http://127.0.0.1:{settings.flower_port}/)")
     _say("\n".join(lines))

@@ -1,7 +1,9 @@
 """`jobsvc flower` on the real broker: beside the real worker it starts without the virtual
 environment on PATH, lists the worker and its shard queue, and gets the task events that the
 worker sends only once a monitor asks for them; started before any worker, its Broker page
-lists every configured and live shard queue with its length."""
+lists every configured and live shard queue with its length. It needs a password unless told
+to run open on loopback, and in headless Chromium its pages list real workers only, the
+broker URL as set and, for a message whose jobs failed, how many."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -22,11 +25,16 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from jobsvc import Client
+from jobsvc import Client, JobStatus
+from jobsvc.compression import pack_tokens
 from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers, settings_environment
+from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
+from jobsvc.store import Store, utcnow
+from jobsvc.transport import make_celery, publish
+from tests.browser import chromium_page
 from tests.conftest import free_port
 from tests.waiting import until
 
@@ -38,28 +46,34 @@ _DEADLINE_SECONDS = 60
 
 
 @contextmanager
-def running_flower(settings: Settings, **environment: str) -> Iterator[str]:
-    """`jobsvc flower` on these settings; its URL."""
+def running_flower(settings: Settings, *arguments: str, output: list[str] | None = None,
+                   **environment: str) -> Iterator[str]:
+    """`jobsvc flower` on these settings; its URL. What it printed is added to `output`."""
     port = free_port()
     env = {**os.environ, **settings_environment(settings), "JOBSVC_FLOWER_PORT": str(port),
            "PATH": "/usr/bin:/bin", **environment}
-    process = subprocess.Popen([sys.executable, "-m", "jobsvc", "flower"], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "jobsvc", "flower", *arguments], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
-        output, _ = process.communicate(timeout=30)
-        print(output.decode(errors="replace")[-3000:])
+        printed = process.communicate(timeout=30)[0].decode(errors="replace")
+        print(printed[-3000:])
+        if output is not None:
+            output.append(printed)
+
+
+CREDENTIALS = "operator:secret"
 
 
 @pytest.fixture()
 def flower(settings: Settings, worker: LocalWorkers) -> Iterator[str]:
-    with running_flower(settings, FLOWER_UNAUTHENTICATED_API="true") as url:
+    with running_flower(settings, FLOWER_BASIC_AUTH=CREDENTIALS) as url:
         yield url
 
 
-def _get(url: str, credentials: str | None = None) -> Any:
+def _get(url: str, credentials: str | None = CREDENTIALS) -> Any:
     return json.loads(_read(url, credentials))
 
 
@@ -122,7 +136,7 @@ def test_flower_started_before_any_worker_lists_every_shard_queue_with_its_lengt
     beyond = routing_settings.shards + 1
     write_heartbeat(broker, Heartbeat(beyond, f"shard{beyond}@elsewhere", "elsewhere", 7, 1.0,
                                       False, 0, None, None))
-    credentials = "operator:secret"
+    credentials = CREDENTIALS
     with Client(settings=routing_settings) as client, \
             running_flower(routing_settings, FLOWER_BASIC_AUTH=credentials) as flower:
         ids = client.submit_many({"document": f"Report {number}: the pier holds {number} "
@@ -157,3 +171,67 @@ def test_flower_names_a_live_shard_even_when_its_settings_name_fewer(
     with running_flower(few, FLOWER_BASIC_AUTH="a:b") as flower:
         _until("the live shard", lambda: broker_page_queues(flower, "a:b") == {
             queue_name(0): 0, queue_name(5): 1})
+
+
+def _flower_exit(settings: Settings, *arguments: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **settings_environment(settings),
+           "JOBSVC_FLOWER_PORT": str(free_port())}
+    for name in ("FLOWER_BASIC_AUTH", "FLOWER_AUTH"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "jobsvc", "flower", *arguments], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_flower_without_a_password_starts_only_when_opened_on_loopback(
+        routing_settings: Settings) -> None:
+    refused = _flower_exit(routing_settings)
+    assert refused.returncode == 2 and "FLOWER_BASIC_AUTH" in refused.stderr
+    wide = _flower_exit(routing_settings, "--open", "--address", "0.0.0.0")
+    assert wide.returncode == 2 and "loopback" in wide.stderr
+    printed: list[str] = []
+    with running_flower(routing_settings, "--open", output=printed) as url:
+        page = _until("its pages without a password", lambda: _read(f"{url}/broker", None))
+        assert queue_name(0) in page
+        # Its API stays closed unless FLOWER_UNAUTHENTICATED_API says otherwise.
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            _read(f"{url}/api/workers", None)
+    # The broker URL has no password, so none is shown masked.
+    assert f"Broker: {routing_settings.redis_url}" in printed[0] and "**" not in printed[0]
+
+
+def _message_with_a_failing_job(settings: Settings, store: Store) -> list[str]:
+    """One message of two jobs recorded by hand: one the engine runs, one whose prompt holds a
+    token the model does not have, which the engine refuses; their IDs."""
+    message = BatchMessage(0, [uuid.uuid4().hex, uuid.uuid4().hex], uuid.uuid4().hex)
+    tokens = {message.job_ids[0]: [7, 8, 9], message.job_ids[1]: [1, 2, 10_000_000]}
+    store.record_submitted(
+        [{"key": job_id, "text_zst": b"", "tokens_zst": pack_tokens(ids), "tokens": 3,
+          "created_at": utcnow()} for job_id, ids in tokens.items()],
+        [{"id": job_id, "document_key": job_id, "question": "?", "sampling": {"max_tokens": 2},
+          "question_tokens_zst": pack_tokens([5]), "shard": 0, "status": "queued",
+          "prompt_tokens": 4, "estimated_prefill": 4, "load": 4,
+          "message_id": message.message_id, "submitted_at": utcnow(),
+          "enqueued_at": utcnow()} for job_id in tokens])
+    publish(make_celery(settings), [message])
+    return message.job_ids
+
+
+def test_flower_in_a_browser_shows_real_workers_the_broker_url_as_set_and_failed_jobs(
+        flower: str, settings: Settings, worker_store: Store, client: Client) -> None:
+    def failed_in_flower() -> bool:
+        # Flower turns the worker's events on at its start and every few seconds after: a
+        # message run before that leaves no event, so each round sends another.
+        records = client.wait(_message_with_a_failing_job(settings, worker_store), timeout=60)
+        assert [record.status for record in records] == [JobStatus.SUCCEEDED, JobStatus.FAILED]
+        return any("'failed': 1" in (task.get("result") or "")
+                   for task in _get(f"{flower}/api/tasks").values()
+                   if task["name"] == "jobsvc.run_batch")
+
+    _until("a message whose job failed", failed_in_flower)
+    basic = base64.b64encode(CREDENTIALS.encode()).decode()
+    with chromium_page({"Authorization": f"Basic {basic}"}) as page:
+        page.open(f"{flower}/tasks", showing="'succeeded': 1, 'failed': 1")
+        workers = page.open(f"{flower}/", showing="shard0@")
+        assert "shard-queues" not in workers
+        broker = page.open(f"{flower}/broker", showing=queue_name(0))
+        assert settings.redis_url in broker and "**" not in broker

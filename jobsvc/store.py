@@ -23,6 +23,7 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     LargeBinary,
+    SmallInteger,
     String,
     Text,
     and_,
@@ -92,6 +93,9 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(200))
     # Deliveries to a worker so far; a job that keeps killing its worker is given up.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # How far a suspect's group has been halved: each time the engine dies under its group,
+    # the job runs next in groups of at most half as many (workers.isolation).
+    isolation: Mapped[int] = mapped_column(SmallInteger, server_default="0")
     # The question's tokens as the producer made them (compression.pack_tokens); none on jobs
     # recorded before they were stored, whose question workers tokenize instead.
     question_tokens_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -179,8 +183,10 @@ class ClaimedJob:
     estimated_prefill: int
     submitted_at: datetime
     # Claimed before and never finished: the engine it ran in died, perhaps of this job, so
-    # it runs alone (see `charge_run_alone`).
+    # it runs in a group with nothing else in the engine, as small as `isolation` says (see
+    # `charge_isolated`).
     suspect: bool = False
+    isolation: int = 0
 
 
 @dataclass(frozen=True)
@@ -398,11 +404,12 @@ class Store:
                    Job.message_id == bindparam("b_message_id"), _unfinished(Job.status),
                    or_(bindparam("redelivered", type_=Boolean),
                        and_(Job.worker.is_(None), Job.status != JobStatus.RUNNING.value)))
-            # A first claim counts as an attempt; a suspect's come as it runs alone.
+            # A first claim counts as an attempt; a suspect's come as it runs alone, in a
+            # group of one.
             .values(worker=bindparam("worker"),
                     attempts=case((Job.worker.is_(None), Job.attempts + 1),
                                   else_=Job.attempts))
-            .returning(Job.id, Job.attempts, Job.document_key, Job.question,
+            .returning(Job.id, Job.attempts, Job.isolation, Job.document_key, Job.question,
                        Job.question_tokens_zst, Job.sampling, Job.estimated_prefill,
                        Job.submitted_at))
         self._document_tokens = select(Document.key, Document.tokens_zst).where(
@@ -507,10 +514,10 @@ class Store:
         """Claim for this worker the jobs that this message may run and read what they run, in
         one transaction; they come back in the order given. Jobs finished, cancelled, on
         another shard or owned by another message are left alone. A job claimed before and
-        not finished is a suspect. One that has stopped its engine while running alone
-        `max_attempts` times ends failed instead, and so does one whose document reads back
-        as neither tokens nor text (no delivery could run it). A batch asks several questions
-        of each document: each is read once."""
+        not finished is a suspect. One that has stopped its engine while running alone (in a
+        group of one) `max_attempts` times ends failed instead, and so does one whose
+        document reads back as neither tokens nor text (no delivery could run it). A batch
+        asks several questions of each document: each is read once."""
         ended: list[tuple[int, int]] = []
         with self.engine.begin() as connection:
             self._lock_in_order(connection, job_ids)
@@ -544,16 +551,21 @@ class Store:
             tokens = _readable_tokens(f"job {row.id}'s question", row.question_tokens_zst)
             jobs.append(ClaimedJob(row.id, document, row.question if tokens is None else tokens,
                                    row.sampling, row.estimated_prefill, row.submitted_at,
-                                   row.id in suspects))
+                                   row.id in suspects, row.isolation))
         return Claim(jobs, _load_by_shard(ended))
 
-    def charge_run_alone(self, job_id: str) -> bool:
-        """Count a suspect's run alone in the engine as an attempt, before it starts: if the
-        engine dies now, this job killed it. False if the job has ended meanwhile."""
+    def charge_isolated(self, job_ids: Sequence[str], isolation: int) -> set[str]:
+        """Raise a group of suspects to isolation level `isolation` before the group runs
+        with nothing else in the engine: should the engine die now, their next delivery runs
+        them in smaller groups. A group of one is charged an attempt as well: if the engine
+        dies now, this job killed it. Returns the jobs charged, those not ended meanwhile."""
+        solo = len(job_ids) == 1
         with self.engine.begin() as connection:
-            return connection.execute(
-                update(Job).where(Job.id == job_id, _unfinished(Job.status))
-                .values(attempts=Job.attempts + 1).returning(Job.id)).first() is not None
+            self._lock_in_order(connection, job_ids)
+            return set(connection.scalars(
+                update(Job).where(self._among(Job.id, job_ids), _unfinished(Job.status))
+                .values(isolation=isolation, attempts=Job.attempts + int(solo))
+                .returning(Job.id)))
 
     def _documents(self, connection: Connection, keys: set[str]
                    ) -> dict[str, tuple[int, ...] | str | None]:

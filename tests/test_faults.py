@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
@@ -90,6 +90,13 @@ def _engine_core(harness: Harness) -> psutil.Process:
     worker = harness.workers.processes[0]
     return next(child for child in psutil.Process(worker.pid).children(recursive=True)
                 if "EngineCore" in child.name())
+
+
+def _admitted(harness: Harness, ids: list[str]) -> int:
+    """How many of these jobs a worker has admitted to its engine."""
+    with harness.store.engine.connect() as connection:
+        return connection.execute(select(func.count()).select_from(Job).where(
+            Job.id.in_(ids), Job.started_at.is_not(None))).scalar_one()
 
 
 def _attempts(harness: Harness, ids: list[str]) -> set[int]:
@@ -276,19 +283,29 @@ def _died_of_its_engine(harness: Harness) -> None:
 
 def test_a_job_that_kills_its_engine_fails_alone_and_what_piles_up_meanwhile_runs_once(
         harness: Harness) -> None:
-    """Two restarts serve two scenarios. A job kills the engine in company: its
-    message-mates and the other messages' jobs in that engine run again, each alone, and the
-    culprit kills it once more, alone, and fails by itself. Meanwhile a broken or hostile
-    broker holds things for the worker while it is down (copies, a forgery, garbage, lost
+    """Three restarts serve two scenarios. A job kills the engine in company: the other
+    messages' jobs in that engine run again, each message's together with nothing else in the
+    engine, and succeed; the culprit's message runs so too and the culprit kills the engine
+    again; its group halves, to one job each, and the culprit kills it once more, alone, and
+    fails by itself while its message-mate succeeds. Meanwhile a broken or hostile broker
+    holds things for the worker while it is down (copies, a forgery, garbage, lost
     messages)."""
     client, queue = harness.client, queue_name(0)
     broker = redis.Redis.from_url(harness.settings.redis_url)
-    ids = _burst(client, 64, seed=106, max_tokens=24)
-    _wait_until_finished(client, ids, 2)
-    culprit, *mates = _enqueue_by_hand(harness, {
-        uuid.uuid4().hex: (compress(b"text"), pack_tokens([7 + n, 8, 9])) for n in range(4)},
+    # Fewer messages than the worker runs at once, long enough to be running still when the
+    # culprit's message starts beside them.
+    ids = _burst(client, (harness.settings.worker_concurrency - 1) * harness.settings.batch_size,
+                 seed=106, max_tokens=64)
+    until("the burst's jobs all admitted", lambda: _admitted(harness, ids) == len(ids), 120,
+          every=0.05)
+    # A message of two: the fewer the culprit's mates, the fewer the halvings (and restarts)
+    # until it runs alone.
+    culprit, mate = _enqueue_by_hand(harness, {
+        uuid.uuid4().hex: (compress(b"text"), pack_tokens([7 + n, 8, 9])) for n in range(2)},
         first_id=KILLER_PREFIX)
     _died_of_its_engine(harness)
+    # Some of the burst's jobs died with the engine: they are the other messages' suspects.
+    assert client.pending(ids) > 0
 
     queued_before = broker.llen(queue)
     lost = _burst(client, 8, seed=110)
@@ -307,13 +324,21 @@ def test_a_job_that_kills_its_engine_fails_alone_and_what_piles_up_meanwhile_run
     publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
     broker.lpush(queue, b"not json at all", b"[1,2,3]")
     harness.workers.start()
+    # Killed again by the culprit's message, with nothing else in the engine; then by the
+    # culprit alone.
+    _died_of_its_engine(harness)
+    harness.workers.start()
     _died_of_its_engine(harness)
     harness.workers.start()
 
-    row = _tally(harness, "a job kills its engine, twice", [*ids, *mates, culprit])
-    assert row == {**row, "succeeded": len(ids) + len(mates), "failed": 1, "lost": 0,
+    row = _tally(harness, "a job kills its engine, 3 times", [*ids, mate, culprit])
+    assert row == {**row, "succeeded": len(ids) + 1, "failed": 1, "lost": 0,
                    "duplicated": 0}
     assert "ran alone" in (client.get(culprit).error or "")
+    # The other messages' jobs ran again in groups, never alone (a run alone is an attempt);
+    # the culprit and its mate each ran alone once.
+    assert _attempts(harness, ids) == {1}
+    assert _attempts(harness, [culprit, mate]) == {2}
     row = _tally(harness, "copies x3, forgery, garbage, lost messages", [*asked, *lost])
     assert row == {**row, "succeeded": len(asked) + len(lost), "lost": 0, "duplicated": 0}
     records = {job_id: client.get(job_id) for job_id in asked}

@@ -19,26 +19,57 @@ from tests.conftest import TEST_MESSAGE, claim, queued_job_row, record_queued_jo
 pytestmark = pytest.mark.integration
 
 
+def _attempts_and_levels(store: Store, job_ids: list[str]) -> dict[str, tuple[int, int]]:
+    with store.engine.connect() as connection:
+        return {row.id: (row.attempts, row.isolation) for row in connection.execute(
+            select(Job.id, Job.attempts, Job.isolation).where(Job.id.in_(job_ids)))}
+
+
+def test_a_group_charge_raises_its_members_isolation_and_only_a_run_alone_is_an_attempt(
+        store: Store, queued_job: Callable[[], str]) -> None:
+    first, second, third, bystander = (queued_job() for _ in range(4))
+    group = [first, second, third]
+    claimed = store.claim_batch([*group, bystander], message_id=TEST_MESSAGE, shard=0,
+                                redelivered=False, worker="w", max_attempts=3)
+    assert [(job.suspect, job.isolation) for job in claimed.jobs] == [(False, 0)] * 4
+    assert store.charge_isolated(group, 3) == set(group)
+    again = store.claim_batch([*group, bystander], message_id=TEST_MESSAGE, shard=0,
+                              redelivered=True, worker="w", max_attempts=3)
+    assert [(job.job_id, job.suspect, job.isolation) for job in again.jobs] == [
+        (first, True, 3), (second, True, 3), (third, True, 3), (bystander, True, 0)]
+    # A group of one runs alone: that counts as an attempt, a larger group's run does not.
+    assert store.charge_isolated([first], 4) == {first}
+    assert store.charge_isolated([second, third], 4) == {second, third}
+    assert _attempts_and_levels(store, [*group, bystander]) == {
+        first: (2, 4), second: (1, 4), third: (1, 4), bystander: (1, 0)}
+    # A job that ended meanwhile is not charged; the rest of its group is.
+    assert store.cancel_many([second]).job_ids == [second]
+    assert store.charge_isolated([second, third], 5) == {third}
+    assert _attempts_and_levels(store, [second, third]) == {second: (1, 4), third: (1, 5)}
+
+
 def test_a_job_that_stopped_its_engine_alone_max_attempts_times_ends_failed_with_the_reason(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id, mate = queued_job(), queued_job()
     first = store.claim_batch([job_id, mate], message_id=TEST_MESSAGE, shard=0,
                               redelivered=False, worker="w", max_attempts=3)
     assert [job.suspect for job in first.jobs] == [False, False]
-    # Deliveries that died in company charge nothing: only runs alone count.
-    for _ in range(3):
+    # Deliveries that died in company, or in a group of several, charge no attempt.
+    for level in range(1, 5):
         again = store.claim_batch([job_id], message_id=TEST_MESSAGE, shard=0,
                                   redelivered=True, worker="w", max_attempts=3)
         assert [(job.job_id, job.suspect) for job in again.jobs] == [(job_id, True)]
-    for _ in range(3):
+        assert store.charge_isolated([job_id, mate], level) == {job_id, mate}
+    for level in range(5, 8):
         assert set(claim(store, [job_id], redelivered=True)) == {job_id}
-        assert store.charge_run_alone(job_id)
+        assert store.charge_isolated([job_id], level) == {job_id}
     assert claim(store, [job_id], redelivered=True) == {}
     record = store.get_many([job_id])[job_id]
     assert record.status is JobStatus.FAILED
     assert "stopped each of the 3 times this job ran alone" in (record.error or "")
-    assert not store.charge_run_alone(job_id)
+    assert store.charge_isolated([job_id], 8) == set()
     assert store.get_many([mate])[mate].status is JobStatus.QUEUED
+    assert _attempts_and_levels(store, [mate]) == {mate: (1, 4)}
 
 
 def _plans(store: Store, call: Callable[[], object]) -> list[str]:
@@ -307,8 +338,8 @@ def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: St
     assert store.cancel(cancelled) == {0: 20}
     assert store.cancel(cancelled) is None
     claim(store, [exhausted])
-    for _ in range(3):
-        store.charge_run_alone(exhausted)
+    for level in range(1, 4):
+        store.charge_isolated([exhausted], level)
     given_up = store.claim_batch([exhausted], message_id=TEST_MESSAGE, shard=0,
                                  redelivered=True, worker="w", max_attempts=3)
     assert (given_up.jobs, given_up.released) == ([], {0: 40})

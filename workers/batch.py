@@ -2,8 +2,8 @@
 claims the jobs the message may run and reads everything they run from the store (the message
 only names them), admits them to the engine at once, and returns (so the message is
 acknowledged) only when every result is committed. Suspects, jobs whose engine died under
-them before, run after their message-mates, each alone in the engine (see
-workers.isolation)."""
+them before, run after their message-mates, in groups that each have the engine alone and
+halve each time the engine dies under them (see workers.isolation)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
 from workers.engine import EngineAdapter, EngineRequest, EngineResult
 from workers.hooks import FinishedBatch, WorkerHooks
-from workers.isolation import EngineTurns
+from workers.isolation import EngineTurns, SuspectGroup, suspect_groups
 from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,11 @@ T = TypeVar("T")
 class BatchRunner:
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
                  recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int,
-                 hooks: WorkerHooks) -> None:
+                 batch_size: int, hooks: WorkerHooks) -> None:
         self.shard = shard
         self.worker_name = worker_name
         self.max_attempts = max_attempts
+        self.batch_size = batch_size
         self._store = store
         self._prompts = prompts
         self._engine = engine
@@ -62,30 +63,40 @@ class BatchRunner:
         if message.shard != self.shard:
             log.warning("shard %d got message %s addressed to shard %d; only jobs recorded "
                         "for this shard run", self.shard, message_id, message.shard)
-        # Claimed only once batches may share the engine: jobs kept waiting while a suspect
-        # has it alone stay unclaimed, and are no suspects if that suspect kills it.
+        # Claimed only once batches may share the engine: jobs kept waiting while a group of
+        # suspects has it alone stay unclaimed, and are no suspects if that group kills it.
         with self._turns.shared():
             jobs = self._claim(message, redelivered)
             ended = self._run_together([job for job in jobs if not job.suspect])
-        suspects = [job for job in jobs if job.suspect]
-        for suspect in suspects:
+        suspects = {job.job_id: job for job in jobs if job.suspect}
+        for group in suspect_groups([(job.job_id, job.isolation) for job in suspects.values()],
+                                    self.batch_size):
             with self._turns.alone():
-                ended += self._run_alone(suspect)
+                ended += self._run_isolated(group, [suspects[job_id]
+                                                    for job_id in group.job_ids])
         ran = ended.total()
         return {"jobs": ran, **{ending: ended[ending] for ending in _ENDINGS},
                 "skipped": len(message.job_ids) - ran}
 
-    def _run_alone(self, job: ClaimedJob) -> Counter[str]:
-        """Run a suspect with nothing else in the engine, charged an attempt first: should
-        the engine die now, the next delivery knows this job killed it."""
-        if not self._retrying(f"charge job {job.job_id}",
-                              lambda: self._store.charge_run_alone(job.job_id)):
-            with self._lock:
-                self._running.discard(job.job_id)
-            return Counter()
-        log.warning("shard %d runs job %s alone: an engine died while it ran", self.shard,
-                    job.job_id)
-        return self._run_together([job])
+    def _run_isolated(self, group: SuspectGroup, jobs: list[ClaimedJob]) -> Counter[str]:
+        """Run a group of suspects with nothing else in the engine, charged first (while
+        the group has the engine: a group still waiting is not charged for another's death):
+        should the engine die now, the next delivery runs them in smaller groups, or knows
+        that a job run alone killed it."""
+        charged = self._retrying(
+            f"charge {len(jobs)} suspect jobs",
+            lambda: self._store.charge_isolated(group.job_ids, group.charged_level))
+        with self._lock:
+            self._running.difference_update(set(group.job_ids) - charged)
+        if group.solo and charged:
+            log.warning("shard %d runs job %s alone: an engine died while it ran", self.shard,
+                        group.job_ids[0])
+        elif charged:
+            log.warning("shard %d runs %d suspect jobs, from job %s, with nothing else "
+                        "in the engine, charged to isolation level %d: an engine died while "
+                        "they ran", self.shard, len(charged), group.job_ids[0],
+                        group.charged_level)
+        return self._run_together([job for job in jobs if job.job_id in charged])
 
     def _run_together(self, jobs: list[ClaimedJob]) -> Counter[str]:
         """Admit claimed jobs to the engine at once and wait until their results are

@@ -105,7 +105,8 @@ class WorkerRuntime:
         self.runner = BatchRunner(shard=self.shard, worker_name=self.name,
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder, prompts=self.prompts,
-                                  max_attempts=self.settings.max_attempts, hooks=self.hooks)
+                                  max_attempts=self.settings.max_attempts,
+                                  batch_size=self.settings.batch_size, hooks=self.hooks)
         for thread in self._background:
             thread.start()
 

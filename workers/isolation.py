@@ -1,15 +1,68 @@
-"""Turns at the engine: batches share it, a suspect job has it alone.
+"""Turns at the engine: batches share it, a group of suspects has it alone.
 
 A suspect is a job whose earlier delivery died with its engine. Whichever job of that engine
-killed it, a suspect run alone either finishes or is the one to blame, so no job is failed for
-the company it kept. A suspect waiting for its turn keeps new batches out, so it is not
-starved by a steady stream of them."""
+killed it, suspects run in groups with nothing else in the engine, and a group that kills it
+runs again in halves (see `suspect_groups`): innocents finish in few, large groups while the
+culprit's group shrinks until it runs alone and is the one to blame, so no job is failed for
+the company it kept. A group waiting for its turn keeps new batches out, so it is not starved
+by a steady stream of them."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SuspectGroup:
+    """Suspects that run together with nothing else in the engine, and the isolation level
+    they are charged to before they run: should the engine die now, their next delivery finds
+    them there, in smaller groups."""
+
+    job_ids: tuple[str, ...]
+    charged_level: int
+
+    @property
+    def solo(self) -> bool:
+        """A group of one: if the engine dies now, this job killed it."""
+        return len(self.job_ids) == 1
+
+
+def group_limit(level: int, batch_size: int) -> int:
+    """The most suspects of one message that run together at this isolation level: a full
+    message at level 0, half as many at each level above."""
+    return max(1, batch_size >> level)
+
+
+def suspect_groups(suspects: Sequence[tuple[str, int]], batch_size: int) -> list[SuspectGroup]:
+    """Split a message's suspects, (job ID, isolation level) in the message's order, into the
+    groups they run in, one after the other. Only suspects of one level share a group, so
+    that no group is larger than each of its members' level allows. Lower levels run first:
+    their groups are larger and less suspected, so most innocents finish before the engine
+    may die again. Within a level, groups keep the message's order, which keeps a document's
+    questions together."""
+    by_level: dict[int, list[str]] = {}
+    for job_id, level in suspects:
+        by_level.setdefault(level, []).append(job_id)
+    groups: list[SuspectGroup] = []
+    for level in sorted(by_level):
+        members, limit = by_level[level], group_limit(level, batch_size)
+        for start in range(0, len(members), limit):
+            group = tuple(members[start:start + limit])
+            groups.append(SuspectGroup(group, _charged_level(level, len(group), batch_size)))
+    return groups
+
+
+def _charged_level(level: int, size: int, batch_size: int) -> int:
+    """The level a group of `size` at `level` is charged to: the next one, or further while
+    that one's groups would still hold this whole group (a message with fewer suspects than
+    the level allows), so that each death of the engine splits the group that died."""
+    charged = level + 1
+    while size > 1 and group_limit(charged, batch_size) >= size:
+        charged += 1
+    return charged
 
 
 class EngineTurns:
@@ -21,7 +74,8 @@ class EngineTurns:
 
     @contextmanager
     def shared(self) -> Iterator[None]:
-        """Run a batch beside other batches, unless a suspect has or waits for the engine."""
+        """Run a batch beside other batches, unless a suspect group has or waits for the
+        engine."""
         with self._changed:
             self._changed.wait_for(lambda: not self._alone and not self._waiting_alone)
             self._sharing += 1
@@ -34,7 +88,7 @@ class EngineTurns:
 
     @contextmanager
     def alone(self) -> Iterator[None]:
-        """Run one suspect with nothing else in the engine."""
+        """Run one group of suspects with nothing else in the engine."""
         with self._changed:
             self._waiting_alone += 1
             self._changed.wait_for(lambda: not self._alone and not self._sharing)

@@ -370,3 +370,29 @@ def test_the_server_serves_the_fleets_metrics_behind_its_key(api_url: str) -> No
     queued = {sample.labels["queue"] for sample in families["jobsvc_queue_messages"].samples}
     assert queue_name(0) in queued
     assert {"jobsvc_jobs", "jobsvc_shard_outstanding_load", "jobsvc_batches"} <= set(families)
+
+
+def test_a_batch_file_with_seeded_lines_among_plain_ones_answers_every_line(
+        api: openai.OpenAI, worker: LocalWorkers) -> None:
+    """Long prompts whose prefill the engine would split across steps: on CPU builds a seeded
+    one used to kill the engine, and with it every line of the file."""
+    rng = random.Random(53)
+    lines = document_lines(rng, 4, 3, lambda text, q: {
+        "model": "jobsvc", "max_tokens": 4, "temperature": 1.0,
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": q}]})
+    for number, item in enumerate(lines):
+        item["body"]["messages"][0]["content"] *= 3
+        if number % 2:
+            item["body"]["seed"] = number
+    # The same seeded request twice: the same answer.
+    again = json.loads(json.dumps(lines[1]))
+    again["custom_id"] = "again"
+    batch = wait_for(api, start_batch(api, [*lines, again]).id)
+    assert batch.status == "completed", batch
+    output, errors = results(api, batch)
+    assert not errors, errors[:2]
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (13, 0)
+    answers = {item["custom_id"]: item["response"]["body"]["choices"][0]["message"]["content"]
+               for item in output}
+    assert answers["again"] == answers[lines[1]["custom_id"]]
+    assert min(item["response"]["body"]["usage"]["prompt_tokens"] for item in output) > 2048

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from types import FrameType
 from typing import IO
 
@@ -39,6 +40,7 @@ class EngineReaper:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        """Start the reaper process, with the worker's PID to watch."""
         # The kernel sends the parent-death signal when the thread that started the process
         # ends, not only the process: the main thread lasts as long as the worker.
         if threading.current_thread() is not threading.main_thread():
@@ -48,11 +50,14 @@ class EngineReaper:
             stdin=subprocess.PIPE)
 
     def engine_started(self) -> None:
+        """Tell the reaper the engine is up, so it takes note of the engine's processes."""
         stdin = self._stdin()
         stdin.write(b"started\n")
         stdin.flush()
 
     def stop(self) -> None:
+        """Close the reaper's pipe after a clean shutdown: it kills whatever engine process outlived
+        the shutdown and ends, or is terminated if it does not."""
         if self._process is None:
             return
         self._stdin().close()
@@ -77,13 +82,21 @@ def _look(worker: int, seen: dict[int, psutil.Process]) -> None:
     seen.update((child.pid, child) for child in children if child.pid != os.getpid())
 
 
+def _gone(process: psutil.Process) -> bool:
+    """Ended, or a zombie: its parent, not this process, reaps it."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def _reap(seen: dict[int, psutil.Process]) -> None:
     """Kill every process seen that still runs (the same process, not a reused ID), and the
-    processes they started since."""
+    processes they started since; wait (bounded) until they have ended."""
     victims: dict[int, psutil.Process] = {}
     for process in seen.values():
         try:
-            if process.is_running():
+            if not _gone(process):
                 victims[process.pid] = process
                 victims.update((child.pid, child) for child in process.children(recursive=True))
         except psutil.Error:
@@ -93,10 +106,16 @@ def _reap(seen: dict[int, psutil.Process]) -> None:
             process.kill()
         except psutil.Error:
             continue
-    psutil.wait_procs(list(victims.values()), timeout=_WAIT_SECONDS)
+    deadline = time.monotonic() + _WAIT_SECONDS
+    while not all(_gone(process) for process in victims.values()):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def main(worker: int) -> None:
+    """The reaper process: note the worker's descendants as they appear, and kill them when the
+    worker dies (its parent-death signal) or closes the pipe."""
     seen: dict[int, psutil.Process] = {}
 
     def on_worker_death(_signal: int, _frame: FrameType | None) -> None:

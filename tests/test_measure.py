@@ -472,13 +472,21 @@ def test_the_bench_refuses_options_that_would_not_measure_what_they_name(
         check_options(Settings(admission_chunk=chunk), options)
 
 
-def test_the_usual_runs_pass_the_option_check() -> None:
+def test_the_usual_runs_pass_the_option_check_and_a_contradiction_does_not() -> None:
+    refused = []
     for options in (BenchOptions(), BenchOptions(standalone_twice=True),
                     BenchOptions(compare_admission=True),
                     BenchOptions(standalone_admission="all"),
                     BenchOptions(standalone_admission="staggered")):
-        check_options(Settings(admission_chunk=0 if not options.compare_admission else 8),
-                      options)
+        try:
+            check_options(Settings(admission_chunk=0 if not options.compare_admission else 8),
+                          options)
+        except ConfigurationError as error:
+            refused.append((options, error))
+    assert refused == []
+    # The same comparison with nothing to compare against: refused, naming the setting.
+    with pytest.raises(ConfigurationError, match="JOBSVC_ADMISSION_CHUNK"):
+        check_options(Settings(admission_chunk=0), BenchOptions(compare_admission=True))
 
 
 def test_engine_steps_are_summarized_per_arm_and_left_out_where_an_arm_lacks_them() -> None:

@@ -12,7 +12,7 @@ import redis
 from sqlalchemy import select, update
 
 from jobsvc import Client, JobNotFound, JobStatus
-from jobsvc.compression import decompress, is_zstd_frame
+from jobsvc.compression import decompress, decompress_text, is_zstd_frame
 from jobsvc.keys import LOAD_KEY, queue_name
 from jobsvc.local import LocalWorkers
 from jobsvc.routing.cost import decode_load
@@ -39,7 +39,10 @@ def test_submitted_jobs_succeed_with_answers_and_token_counts(client: Client) ->
         assert record.answer
         assert record.prompt_tokens > 300
         assert record.completion_tokens == 12
+        # Cached tokens come in whole KV blocks, and never the whole prompt.
         assert record.cached_tokens is not None
+        assert record.cached_tokens % client.settings.block_size == 0
+        assert 0 <= record.cached_tokens < record.prompt_tokens
         assert record.submitted_at <= record.started_at <= record.finished_at
 
 
@@ -85,16 +88,17 @@ def test_questions_on_one_document_share_a_shard_and_hit_the_prefix_cache(
     assert all(tokens > 0 for tokens in cached[1:]), cached
 
 
-def test_stored_answers_are_zstd_frames(client: Client) -> None:
+def test_stored_answers_are_zstd_frames_of_the_answer(client: Client) -> None:
     rng = random.Random(8)
     job_id = client.submit(document(rng, 100), question(rng), max_tokens=6)
-    client.wait([job_id], timeout=TIMEOUT)
+    (record,) = client.wait([job_id], timeout=TIMEOUT)
     store = Store(client.settings.resolved_database_url)
     with store.engine.connect() as connection:
         raw = connection.execute(
             select(Result.answer_zst).where(Result.job_id == job_id)).scalar_one()
     store.dispose()
     assert is_zstd_frame(raw)
+    assert record.answer and decompress_text(raw) == record.answer
 
 
 def test_unknown_job_id_raises_job_not_found(client: Client) -> None:

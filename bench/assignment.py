@@ -59,6 +59,8 @@ def prompt_lengths(jobs: list[dict[str, Any]], prompts: PromptBuilder
 
 def run(workload: str, shards: int, setting: str, values: list[float], rounds: int,
         mode: str) -> dict[str, Any]:
+    """Plan the workload's assignment under each value of `setting`, then race the assignments in
+    `rounds` of standalone bursts on the same engines, so only the assignment differs."""
     settings = replace(Settings.from_env(), shards=shards)
     options = BenchOptions(workload=workload, shards=shards)
     bench = Bench(settings, options, print)
@@ -103,6 +105,7 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
 
 
 def main() -> None:
+    """`python -m bench.assignment`: the result as JSON on standard output (and in `--json`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="ops/workloads/uneven.jsonl")
     parser.add_argument("--shards", type=int, default=2)

@@ -18,6 +18,9 @@ _GENERATIONS = 3
 
 
 class GcPauseMeter:
+    """Times every collection from the collector's own callbacks, busy and idle apart, so a
+    benchmark can say whether collections stalled the engine."""
+
     def __init__(self, working: Callable[[], bool] = lambda: True) -> None:
         # Asked at each collection's start; it must not block (it runs inside the collector).
         self._working = working
@@ -34,9 +37,11 @@ class GcPauseMeter:
         self.idle_collections = 0
 
     def install(self) -> None:
+        """Start timing collections in this process."""
         gc.callbacks.append(self._callback)
 
     def uninstall(self) -> None:
+        """Stop timing collections; harmless if not installed."""
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
 

@@ -59,6 +59,8 @@ def peak_rss_kib(pid: int) -> int:
 
 
 def measure(settings: Settings, path: Path, port: int, log: Path) -> dict[str, Any]:
+    """Upload the batch file to a fresh server and time it from upload to every request enqueued,
+    with the server's peak memory beside it; a one-line batch warms the server first."""
     server = ServerProcess(replace(settings, api_key=_API_KEY), port, log)
     server.start()
     try:
@@ -113,6 +115,7 @@ def _wait_ingested(batches: BatchStore, batch_id: str) -> BatchRecord:
 
 
 def main() -> None:
+    """`python -m bench.ingest`: write a batch file, time its ingest, print the result as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=50_000)
     parser.add_argument("--questions", type=int, default=4, help="questions per document")

@@ -81,6 +81,7 @@ def _cpu(process: Any) -> float:
 
 
 def main() -> None:
+    """`python -m bench.interference`: bursts alone and beside the co-runner, in pairs, as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--slice-ms", type=float, default=2.0)

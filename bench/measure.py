@@ -24,6 +24,7 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 
 def median(values: Sequence[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
     return percentile(values, 0.5)
 
 
@@ -154,9 +155,9 @@ def wait_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
 
 
 # An arm is disturbed when other programs on the machine took more than this share of its CPU
-# while the arm ran: its time then says more about them than about the arm. On one host the
-# machine's daemons took 0.1-1.4 % of a burst's CPU (a message broker's periodic disk check
-# the most), another program beside a burst 8 %.
+# while the arm ran: its time then says more about them than about the arm. The bound sits
+# above what a quiet machine's own daemons take and well below what another program running
+# beside a burst takes (`docs/benchmarks.md`).
 DISTURBED_SHARE = 0.02
 
 
@@ -200,6 +201,7 @@ class ArmResult:
 
     @property
     def cpu_seconds(self) -> float:
+        """CPU the arm took, every role together."""
         return sum(self.cpu_by_role.values())
 
     @property
@@ -238,23 +240,30 @@ class ArmResult:
 
     @property
     def requests_per_second(self) -> float:
+        """The arm's throughput in jobs."""
         return self.jobs / self.seconds
 
     @property
     def tokens_per_second(self) -> float:
+        """The arm's throughput in output tokens."""
         return self.output_tokens / self.seconds
 
     @property
     def cpu_seconds_per_job(self) -> float:
+        """CPU per job, every role together: what the arms compare on."""
         return self.cpu_seconds / self.jobs
 
     @property
     def outside_engine_cpu_seconds_per_job(self) -> float:
+        """CPU per job spent outside the engines: the cost the service adds."""
         return self.outside_engine_cpu_seconds / self.jobs
 
 
 @dataclass(frozen=True)
 class Pair:
+    """One standalone arm and one service arm run back to back, in the order recorded, so their
+    ratio cancels the drift of the host between pairs."""
+
     standalone: ArmResult
     service: ArmResult
     service_first: bool
@@ -352,6 +361,7 @@ def chance_to_clear(ratios: Sequence[float], pairs_per_run: int,
 
 def summarize_pairs(pairs: Sequence[Pair]
                     ) -> dict[str, float | list[float] | dict[str, float]]:
+    """The pairs' ratios and CPU figures as the bench report shows them."""
     service_cpu = _per_job(pairs, "service", "cpu_seconds")
     standalone_cpu = _per_job(pairs, "standalone", "cpu_seconds")
     service_outside = _per_job(pairs, "service", "outside_engine_cpu_seconds")
@@ -410,6 +420,7 @@ def summarize_pairs(pairs: Sequence[Pair]
 
 
 def milliseconds(seconds: float | None) -> float | None:
+    """`seconds` in milliseconds, None kept."""
     return None if seconds is None else seconds * 1000
 
 

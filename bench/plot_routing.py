@@ -17,6 +17,7 @@ POLICIES = ("round_robin", "affinity", "cache_aware")
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
+    """One run's row of the table: hit rate against the ideal, throughputs and balance."""
     pairs = run["pairs"]
     return {
         "workload": Path(run["workload"]).stem,
@@ -36,6 +37,7 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Draw hit rate and service throughput per workload, a bar per policy, into `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,6 +71,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(directory: Path) -> None:
+    """Print the table of every run in `directory` and write its `routing.png`."""
     rows = [summarise(json.loads(path.read_text())) for path in sorted(directory.glob("*.json"))]
     if not rows:
         raise SystemExit(f"no bench results (*.json) in {directory}")

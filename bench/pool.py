@@ -69,6 +69,8 @@ def pool(reports: dict[str, dict[str, Any]],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.pool`: pool the reports' pairs per row and print them, with each run's
+    parity checks, as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="JSON written by jobsvc bench")
     parser.add_argument("--pairs-per-run", type=int, default=PAIRS_PER_RUN,

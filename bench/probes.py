@@ -60,20 +60,24 @@ class BenchProbes(WorkerHooks):
 
     @property
     def worker(self) -> WorkerContext:
+        """The worker's context, once its engine has started."""
         if self._worker is None:
             raise RuntimeError("the worker has not started its engine yet")
         return self._worker
 
     def on_start(self, worker: WorkerContext) -> None:
+        """Keep the worker's context and start timing its collections."""
         self._worker = worker
         self._gc_pauses = GcPauseMeter(working=lambda: worker.collections.running)
         self._gc_pauses.install()
 
     def on_stop(self) -> None:
+        """Stop timing collections."""
         if self._gc_pauses is not None:
             self._gc_pauses.uninstall()
 
     def on_admit(self, jobs: int, admitted_at: float) -> None:
+        """Note the earliest admission of the burst: where the service arm's head ends."""
         if not jobs:
             return
         with self._lock:
@@ -88,6 +92,7 @@ class BenchProbes(WorkerHooks):
         return first
 
     def take_gc_pauses(self) -> dict[str, Any]:
+        """The collections timed since the last take, the meter starting over."""
         if self._gc_pauses is None:
             raise RuntimeError("the worker has not started its engine yet")
         return self._gc_pauses.take()

@@ -52,8 +52,8 @@ def server_processes() -> dict[str, list[psutil.Process]]:
 
 def with_roles(roots: Iterable[psutil.Process], role: str, *, descendants: bool) -> list[Member]:
     """These processes (and their descendants), each with its role: `role`, or ENGINE_ROLE for
-    vLLM's engine processes. Finding descendants walks every process on the machine (about
-    3 ms of CPU here), so an arm sampled while it runs finds its processes once."""
+    vLLM's engine processes. Finding descendants walks every process on the machine, CPU the
+    arm would be charged, so an arm sampled while it runs finds its processes once."""
     tagged: list[Member] = []
     for root in roots:
         try:

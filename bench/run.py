@@ -105,6 +105,9 @@ def shard_devices(shards: int, environ: Mapping[str, str] = os.environ) -> list[
 
 @dataclass(frozen=True)
 class BenchOptions:
+    """What a `jobsvc bench` run does, from its command line; every field has a default, so tests
+    and scripts name only what they change."""
+
     workload: str = "reuse"
     shards: int = 1
     # Routing policy of the service arm (and so of the standalone arm's plan); None keeps
@@ -117,8 +120,8 @@ class BenchOptions:
     plot_path: Path | None = None
     log_dir: Path = Path("bench-logs")
     # Start both arms' engines afresh before every pair. Two engines started alike can differ
-    # in speed by several percent for their whole life; fresh ones turn that lasting bias
-    # between the arms into noise between pairs, which the median over pairs can see through.
+    # in speed for their whole life; fresh ones turn that lasting bias between the arms into
+    # noise between pairs, which the median over pairs can see through.
     fresh_engines: bool = False
     # Run the standalone arm on the service workers' own engines, driven directly inside each
     # worker process with the queue and database left out. Both arms of a pair then meet the
@@ -197,6 +200,8 @@ class TrialShape:
 
 def trial_shape(jobs: Sequence[dict[str, Any]], prompts: PromptBuilder, router: Router
                 ) -> TrialShape:
+    """What the router makes of a trial's jobs (their shards, the ideal hit rate, their size),
+    computed before the timed region so neither arm pays for it."""
     distinct = list(dict.fromkeys(job["document"] for job in jobs))
     tokens = dict(zip(distinct, prompts.documents(distinct), strict=True))
     questions = prompts.questions([job["question"] for job in jobs])
@@ -299,6 +304,7 @@ class Bench:
         self.all_at_once_totals = _Totals(shard_jobs=[0] * settings.shards)
 
     def service_roots(self) -> list[psutil.Process]:
+        """The service workers' processes, whose descendants are the engines."""
         return [psutil.Process(process.pid) for process in self.workers.processes]
 
     def service_processes(self, servers: Mapping[str, Iterable[psutil.Process]]
@@ -313,8 +319,8 @@ class Bench:
         """The bench process (which drives the engines, or waits for the workers to), the
         engines it drives (its own, or the workers' with their processes), and Redis and
         PostgreSQL: this arm does not use them, but they run beside it on the same cores as
-        beside the service arm (Redis's timers alone took 2.6 ms of CPU a second here with no
-        client connected), so each arm is charged what they took during its burst."""
+        beside the service arm (Redis's timers take CPU even with no client connected), so
+        each arm is charged what they took during its burst."""
         members = _server_members(servers)
         if self.options.standalone_on_workers:
             return [*members, *with_roles([psutil.Process()], "bench", descendants=False),
@@ -328,8 +334,8 @@ class Bench:
 
     def start_engines(self, standalone_first: bool = False) -> None:
         """Start the service's workers and the standalone arm's engines, in either order (of
-        two standalone engines started one after the other, the second ran faster in two of
-        three runs, by 8-12 %, so a fixed order could favour one arm)."""
+        two engines started one after the other, either may run faster for its whole life, so
+        a fixed order could favour one arm)."""
         if self.options.standalone_on_workers:
             self.workers.start()
             return
@@ -340,6 +346,7 @@ class Bench:
             self.workers.start()
 
     def stop_engines(self) -> None:
+        """Stop the standalone engines and the service's workers."""
         if self.engines is not None:
             self.engines.shutdown()
             self.engines = None
@@ -414,10 +421,9 @@ class Bench:
             # CPU is sampled once the last check finds every job finished and again after the
             # grace, and read off at the arm's end by interpolating from its start, as the
             # standalone arm's is read when its last request returns. Not while the burst
-            # runs: a sample reads every process's counters (about 2 ms of CPU), taken from
-            # the engines' cores, which the standalone arm's burst does not pay. The sampling's
-            # own CPU is the bench's, not the service's: it is taken out of the producer's
-            # (and the machine's).
+            # runs: a sample reads every process's counters, with CPU taken from the engines'
+            # cores, which the standalone arm's burst does not pay. The sampling's own CPU is the
+            # bench's, not the service's: it is taken out of the producer's (and the machine's).
             samples: list[tuple[float, dict[str, float]]] = []
             sampling = 0.0
 
@@ -501,6 +507,8 @@ class Bench:
 
     def run_standalone(self, jobs: list[dict[str, Any]], shape: TrialShape,
                        mode: str, record: bool = True) -> ArmResult:
+        """Run the trial's jobs on the engines directly, on the same assignment as the service, and
+        measure the arm as the service arm is measured (`record=False`: a warm-up, not kept)."""
         engines = self.engines
         if engines is None and not self.options.standalone_on_workers:
             raise RuntimeError("the standalone engines are not running")

@@ -29,12 +29,12 @@ from workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
 # questions are made adjacent first, as the service's batches make them: handed over
 # interleaved, a reused document's later questions reach the engine far from its first, and
 # the engine ends the burst decoding many of them at once on slow steps. A bound on requests
-# in flight instead (64 at a time) was slower than either style, so the staggered style paces
-# rather than bounds.
+# in flight instead was slower than either style (`docs/benchmarks.md`), so the staggered
+# style paces rather than bounds.
 ADMISSION_MODES = ("all", "staggered")
-# The staggered style where the workers admit each batch at once: 32 requests every 15 ms ran
-# a 256-job burst driven straight into one engine faster than all at once in 14 of 16 pairs on
-# one host, so the baseline keeps it as a style to calibrate against, whatever the service's.
+# The staggered style where the workers admit each batch at once: paced this way, a burst
+# driven straight into one engine ran faster than all at once (`docs/benchmarks.md`), so the
+# baseline keeps it as a style to calibrate against, whatever the service's.
 STAGGERED_PACING = Pacing(32, 0.015)
 
 
@@ -54,6 +54,8 @@ Prompt = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
 
 @dataclass(frozen=True)
 class StandaloneRun:
+    """What one standalone burst took: its moments and tokens, for comparing with a service arm."""
+
     # Wall-clock moments (time.time()), so that bursts run by several processes at once can be
     # joined into one: from the earliest start to the latest finish.
     started: float
@@ -68,10 +70,12 @@ class StandaloneRun:
 
     @property
     def seconds(self) -> float:
+        """The burst's wall time, start to last finish."""
         return self.finished - self.started
 
     @property
     def head_seconds(self) -> float:
+        """From the start to the first request in an engine (tokenizing)."""
         return self.admitted - self.started
 
 
@@ -94,6 +98,7 @@ class StandaloneEngines:
         gc.freeze()
 
     def shutdown(self) -> None:
+        """Stop every engine and unfreeze what start-up froze."""
         for adapter in self._engines:
             adapter.shutdown()
         # Let the collector free what start-up froze, so engines started later in this
@@ -101,6 +106,8 @@ class StandaloneEngines:
         gc.unfreeze()
 
     def run(self, jobs_by_engine: Sequence[Sequence[Job]], mode: str) -> StandaloneRun:
+        """Run one burst over the engines, collections held off while it runs as a service worker
+        holds them off."""
         with self._collections.busy():
             return run_burst(self._engines, self._prompts, jobs_by_engine, mode, self._pacing)
 

@@ -152,6 +152,7 @@ def _run_batch(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its options in one parser, so `jobsvc --help` lists all there is."""
     parser = argparse.ArgumentParser(prog="jobsvc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("migrate", help="create or upgrade the database schema").set_defaults(
@@ -257,6 +258,8 @@ def _terminated(_signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The `jobsvc` entry point: settings read once, errors as one line and exit status 2, Ctrl-C
+    and SIGTERM as a clean stop without a traceback."""
     args = build_parser().parse_args(argv)
     if args.command not in _OWN_SIGTERM:
         signal.signal(signal.SIGTERM, _terminated)

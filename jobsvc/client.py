@@ -65,6 +65,7 @@ class PreparedJob:
 
     @property
     def prompt_tokens(self) -> int:
+        """The whole prompt's length, what the engine must fit in its context."""
         return len(self.prefix_tokens) + len(self.suffix_tokens)
 
 
@@ -107,6 +108,7 @@ class Client:
                                  self.settings.max_job_bytes)
 
     def close(self) -> None:
+        """Let go of the database pool and the Redis connection."""
         self._store.dispose()
         self._redis.close()
 
@@ -259,6 +261,7 @@ class Client:
         ), {prefix.document_key: job for job, prefix in zip(jobs, prefix_keys, strict=True)}
 
     def get(self, job_id: str) -> JobRecord:
+        """The job `job_id` as the store holds it; JobNotFound if there is none."""
         with translated(f"read job {job_id}"):
             record = self._store.get_many([job_id]).get(job_id)
         if record is None:

@@ -37,6 +37,7 @@ def configure(level: int, max_output_bytes: int) -> None:
 
 
 def compress(data: bytes) -> bytes:
+    """One zstd frame of `data`, at the configured level, with this thread's own compressor."""
     compressor = getattr(_local, "compressor", None)
     if compressor is None:
         compressor = _local.compressor = zstandard.ZstdCompressor(level=_level)
@@ -105,6 +106,7 @@ def unpack_tokens(frame: bytes) -> tuple[int, ...]:
 
 
 def is_zstd_frame(data: bytes) -> bool:
+    """Whether `data` starts as a zstd frame does, to tell a compressed body from a plain one."""
     return data[:4] == ZSTD_MAGIC
 
 

@@ -51,6 +51,7 @@ class StatusLine:
         self._line_open = False
 
     def update(self, text: str) -> None:
+        """Show `text` as progress: in place on a terminal, elsewhere at most once per `every`."""
         if self._terminal:
             self._write(f"\r\x1b[K{text}")
             self._line_open = True
@@ -142,6 +143,7 @@ class ProgressBar:
                 self._write(f"{line}\n")
 
     def close(self) -> None:
+        """Stop the ticker and leave the bar (or the last plain line) showing the final count."""
         self._stopped.set()
         if self._ticker is not None:
             self._ticker.join()

@@ -54,6 +54,8 @@ def _broker(settings: Settings, stack: ExitStack) -> Settings:
 
 
 def run_demo(settings: Settings, *, documents: int, questions: int, words: int) -> None:
+    """Run a generated workload through local workers and print what came back, so a newcomer sees
+    the whole pipeline work with nothing to set up."""
     # Left in reverse order: the workers' warm shutdown still reaches a private Redis.
     with ExitStack() as stack:
         given_redis_url = settings.redis_url

@@ -89,6 +89,9 @@ def rejoin_alive(client: redis.Redis, workers: Mapping[int, SeenWorker]) -> set[
 
 
 class ShardMover:
+    """Moves the jobs of a shard that left the fleet onto live shards, through the router, so
+    nothing waits on a shard that will not run it."""
+
     def __init__(self, settings: Settings, client: redis.Redis, store: Store,
                  celery: Celery) -> None:
         self._settings = settings

@@ -25,6 +25,8 @@ _POLL_SECONDS = 1.0
 
 @dataclass(frozen=True)
 class DrainOutcome:
+    """What `jobsvc drain` came to: whether the shard's worker is gone, and who moved its jobs."""
+
     # The shard's worker shut down (or none was running).
     done: bool
     # Jobs this command moved itself (a shard without a live worker).
@@ -34,6 +36,8 @@ class DrainOutcome:
 
 def drain_shard(settings: Settings, shard: int, timeout_s: float,
                 progress: Callable[[str], None]) -> DrainOutcome:
+    """Flag the shard draining and wait up to `timeout_s` for its worker to hand its work on and
+    stop; with no live worker, move its queued jobs here."""
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
     try:
         client.sadd(DRAINING_KEY, shard)

@@ -23,6 +23,8 @@ from jobsvc.store import Store
 
 @dataclass(frozen=True)
 class ShardView:
+    """One shard as an operator sees it: what waits for it and whether its worker is there."""
+
     shard: int
     # The settings of the process that looked name this shard.
     configured: bool
@@ -36,6 +38,7 @@ class ShardView:
 
     @property
     def has_work(self) -> bool:
+        """Whether anything still waits on the shard: queued messages or unfinished jobs."""
         return self.queue_messages > 0 or any(self.jobs.values())
 
     @property
@@ -46,6 +49,9 @@ class ShardView:
 
 @dataclass(frozen=True)
 class Fleet:
+    """Every shard worth listing and the batches by status: the one read that `jobsvc status`,
+    /metrics and Flower share."""
+
     shards: list[ShardView]
     # Batches of the batch API by status; None where the store has no batch table.
     batches: dict[str, int] | None

@@ -57,10 +57,13 @@ class Heartbeat:
     stopped: bool = False
 
     def to_json(self) -> str:
+        """The heartbeat as the versioned JSON record kept in Redis."""
         return json.dumps({"v": HEARTBEAT_VERSION, **asdict(self)}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Heartbeat:
+        """A heartbeat read back from Redis; HeartbeatError for anything that is not a version this
+        code reads, so a stray key never passes for a worker."""
         try:
             record = json.loads(raw)
         except ValueError as error:
@@ -83,6 +86,7 @@ class SeenWorker:
 
     @property
     def alive(self) -> bool:
+        """The worker has not said it stopped and was heard from within ALIVE_SECONDS."""
         return not self.heartbeat.stopped and self.age_s <= ALIVE_SECONDS
 
     @property
@@ -92,6 +96,7 @@ class SeenWorker:
 
 
 def write_heartbeat(client: redis.Redis, heartbeat: Heartbeat) -> None:
+    """Store the heartbeat under its shard's key, expiring after KEEP_SECONDS."""
     client.set(heartbeat_key(heartbeat.shard), heartbeat.to_json(), ex=KEEP_SECONDS)
 
 

@@ -11,6 +11,7 @@ ALL_QUEUES_PATTERN = f"{_QUEUE_PREFIX}*"
 
 
 def queue_name(shard: int) -> str:
+    """The Redis queue of `shard`'s messages."""
     return f"{_QUEUE_PREFIX}{shard}"
 
 
@@ -54,6 +55,7 @@ ROUTING_LOCK_KEY = "jobsvc:routing-lock"
 
 
 def cache_key(shard: int) -> str:
+    """The sorted set of block hashes `shard`'s KV cache is estimated to hold."""
     return f"{CACHE_KEY_PREFIX}{shard}"
 
 
@@ -64,6 +66,7 @@ ALL_HEARTBEATS_PATTERN = f"{_HEARTBEAT_PREFIX}*"
 
 
 def heartbeat_key(shard: int) -> str:
+    """Where `shard`'s worker writes its heartbeat."""
     return f"{_HEARTBEAT_PREFIX}{shard}"
 
 

@@ -39,6 +39,9 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 
 
 class LocalWorkers:
+    """Workers as child processes of this one, so the demo, the benchmark and the tests get a whole
+    fleet on one machine and leave none running."""
+
     def __init__(self, settings: Settings, log_dir: Path, *,
                  devices: list[str | None] | None = None, shards: Sequence[int] | None = None,
                  startup_timeout: float = 600) -> None:
@@ -57,9 +60,12 @@ class LocalWorkers:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def log_path(self, shard: int) -> Path:
+        """Where `shard`'s worker writes its output: the first place to look when it fails."""
         return self.log_dir / f"worker-{shard}.log"
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Start every worker and return once each answers a ping; WorkerStartError if one exits or
+        the startup timeout passes first."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **settings_environment(self.settings)}
         for shard, device in zip(self.shards, self._devices, strict=True):
@@ -142,6 +148,7 @@ class ServerProcess:
 
     @property
     def pid(self) -> int:
+        """The server's process ID, for whoever must signal it; ServerStartError before start."""
         if self._process is None:
             raise ServerStartError("the server has not been started")
         return self._process.pid

@@ -20,6 +20,7 @@ from jobsvc.keys import queue_name
 
 
 def fleet_families(fleet: Fleet) -> list[Metric]:
+    """The fleet's metric families from one read of it; pure, so tests check them unscraped."""
     queues = GaugeMetricFamily("jobsvc_queue_messages",
                                "Messages waiting in the shard's queue (micro-batches of jobs)",
                                labels=["queue", "shard"])
@@ -57,6 +58,7 @@ class FleetCollector(Collector):
         self._read_fleet = read_fleet
 
     def collect(self) -> Iterator[Metric]:
+        """Read the fleet now and yield its families."""
         yield from fleet_families(self._read_fleet())
 
 

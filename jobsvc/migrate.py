@@ -11,6 +11,7 @@ import migrations
 
 
 def upgrade_to_head(database_url: str) -> None:
+    """Bring the database at `database_url` to the newest schema, with the shipped migrations."""
     config = Config()
     # The installed `migrations` package, so a wheel migrates from any working directory.
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))

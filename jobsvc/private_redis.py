@@ -47,6 +47,9 @@ def free_port() -> int:
 
 
 class PrivateRedis:
+    """A throwaway Redis server that its owner starts and stops at will, without touching any Redis
+    of the machine."""
+
     def __init__(self, port: int | None = None, binary: Path | None = None) -> None:
         self.binary = binary or server_binary()
         self.port = port or free_port()
@@ -56,9 +59,12 @@ class PrivateRedis:
 
     @property
     def pid(self) -> int | None:
+        """The server's process ID while it runs (None before), for tests that kill it outright."""
         return self._process.pid if self._process is not None else None
 
     def start(self, timeout: float = 30) -> None:
+        """Start the server in a temporary folder and return once it answers a ping; raise with its
+        log if it exits or `timeout` passes first."""
         self._dir = Path(tempfile.mkdtemp(prefix="jobsvc-redis-"))
         log_path = self._dir / "server.log"
         with log_path.open("wb") as log:

@@ -17,6 +17,9 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 
 
 class PromptBuilder:
+    """Tokenizes prompts with the served model's tokenizer, as the engine would, so the router and
+    the prefix cache see the very tokens the engine runs."""
+
     def __init__(self, model: str, max_model_len: int = 0) -> None:
         if Path(model) == TINY_MODEL and not TINY_MODEL.is_dir():
             # Said here, where producers and workers first need the model, before vLLM would

@@ -51,6 +51,8 @@ _MOST_JOBS_PER_ROUND = 10_000
 
 @dataclass
 class RoundReport:
+    """What a reconciliation round changed, for its log line and for tests."""
+
     requeued: int = 0
     # Load added (positive) or returned (negative) per shard.
     load_corrected: dict[int, int] = field(default_factory=dict)
@@ -77,6 +79,9 @@ def message_ids(raw_messages: Iterable[bytes]) -> set[str]:
 
 
 class Reconciler:
+    """Keeps Redis true to the store, one round at a time: without it a job whose message Redis
+    lost, or whose shard died, would wait forever."""
+
     def __init__(self, settings: Settings, client: redis.Redis, store: Store,
                  celery: Celery, *, own_shard: int | None = None) -> None:
         """`own_shard`: the shard of the worker running these rounds, which they never count

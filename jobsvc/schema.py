@@ -21,6 +21,8 @@ DEFAULT_TEMPERATURE = 0.0
 
 
 class JobStatus(StrEnum):
+    """A job's status as the store records it: one vocabulary for producers, workers, operators."""
+
     QUEUED = "queued"  # recorded and enqueued (perhaps claimed), not yet admitted to an engine
     RUNNING = "running"  # admitted to a worker's engine (shown within a second of it)
     SUCCEEDED = "succeeded"  # answer recorded
@@ -29,6 +31,7 @@ class JobStatus(StrEnum):
 
     @property
     def finished(self) -> bool:
+        """Whether the job has ended for good (nothing will change it again)."""
         return self in FINISHED_STATUSES
 
 
@@ -193,6 +196,7 @@ class BatchMessage:
     message_id: str
 
     def to_wire(self) -> dict[str, Any]:
+        """The message as the versioned JSON body a shard queue carries."""
         return {"v": MESSAGE_VERSION, "shard": self.shard, "jobs": self.job_ids}
 
     @classmethod

@@ -35,7 +35,7 @@ class Settings:
     load_format: str = "dummy"
     # Weights and activations. Empty: float32 for the tiny model, else "auto" (vLLM's choice,
     # which serves float32 checkpoints as bfloat16 on every x86 CPU, also on those without
-    # native bfloat16 arithmetic, where the tiny model then runs several times slower).
+    # native bfloat16 arithmetic, where the tiny model then runs much slower).
     dtype: str = ""
     # 0 means the model config's context length.
     max_model_len: int = 0
@@ -121,14 +121,17 @@ class Settings:
 
     @property
     def resolved_database_url(self) -> str:
+        """The database to use: JOBSVC_DATABASE_URL, else the embedded SQLite."""
         return self.database_url or EMBEDDED_DATABASE_URL
 
     @property
     def resolved_worker_host(self) -> str:
+        """The host name workers report: JOBSVC_WORKER_HOST, else this machine's."""
         return self.worker_host or socket.gethostname()
 
     @property
     def resolved_dtype(self) -> str:
+        """The engine's dtype: JOBSVC_DTYPE, else float32 for the tiny CPU model, else `auto`."""
         if self.dtype:
             return self.dtype
         return "float32" if Path(self.model).resolve() == TINY_MODEL else "auto"
@@ -148,6 +151,8 @@ class Settings:
         return settings
 
     def validate(self) -> None:
+        """Refuse settings no part of the service can run with, naming the variable, before anything
+        starts on them."""
         if self.shards < 1:
             raise ConfigurationError("JOBSVC_SHARDS must be at least 1")
         if self.block_size < 1 or self.batch_size < 1 or self.worker_concurrency < 1:

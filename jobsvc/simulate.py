@@ -142,6 +142,8 @@ class WorkloadShape:
 
 @dataclass(frozen=True)
 class Workload:
+    """A workload for the simulator: its jobs as block IDs, produced as they are replayed."""
+
     name: str
     block_size: int
     # Block ids are 0 .. block_ids - 1, so a bytearray can mark the ones already seen.

@@ -24,12 +24,14 @@ def needs_attention(view: ShardView, *, named: bool) -> bool:
 
 
 def exit_code(fleet: Fleet, *, named: bool = False) -> int:
+    """0 when no listed shard needs attention, 1 otherwise: what a health check acts on."""
     if any(needs_attention(view, named=named) for view in fleet.shards):
         return EXIT_UNHEALTHY
     return EXIT_HEALTHY
 
 
 def worker_report(seen: SeenWorker | None) -> dict[str, Any]:
+    """A shard's worker as `jobsvc status --json` reports it."""
     if seen is None:
         return {"alive": False, "last_seen_s": None}
     beat = seen.heartbeat

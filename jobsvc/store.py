@@ -55,10 +55,12 @@ log = logging.getLogger(__name__)
 
 
 def utcnow() -> datetime:
+    """Now, timezone-aware in UTC: every time the store writes is one."""
     return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
+    """The declarative base of every table, so one metadata holds the whole schema."""
     pass
 
 
@@ -80,6 +82,9 @@ MAX_IDEMPOTENCY_KEY_CHARS = 128
 
 
 class Job(Base):
+    """One job: what it asks, where it was routed, its one queue message and how it ended; the
+    record every other part defers to."""
+
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     document_key: Mapped[str] = mapped_column(ForeignKey("documents.key"), index=True)
@@ -168,6 +173,7 @@ class JobRecord:
 
     @property
     def finished(self) -> bool:
+        """Whether the job has ended for good."""
         return self.status.finished
 
 
@@ -238,6 +244,7 @@ class JobOutcome:
 
     @property
     def status(self) -> JobStatus:
+        """The status the outcome records: failed if it carries an error."""
         return JobStatus.SUCCEEDED if self.error is None else JobStatus.FAILED
 
 
@@ -272,12 +279,14 @@ def _readable_text(key: str, text_zst: bytes) -> str | None:
 # psycopg prepares a statement sent five times on a connection, and PostgreSQL may then keep
 # one generic plan for it, made for the tables as they were. A worker's connections live as
 # long as it does: outcome writes planned while the jobs table was nearly empty would go on
-# scanning all of it as it grows. Planning at each execution costs a fraction of a
-# millisecond and keeps every plan fit for the table as it is.
+# scanning all of it as it grows. Planning at each execution costs little beside that, and
+# keeps every plan fit for the table as it is.
 _POSTGRESQL_OPTIONS = "-c plan_cache_mode=force_custom_plan"
 
 
 def make_engine(database_url: str) -> Engine:
+    """An engine for `database_url`: psycopg 3 for PostgreSQL with a plan per execution, WAL and
+    foreign keys on SQLite."""
     if database_url.startswith("postgresql://"):
         database_url = "postgresql+psycopg://" + database_url.removeprefix("postgresql://")
     url = make_url(database_url)
@@ -299,9 +308,9 @@ _FINISHED = sorted(status.value for status in FINISHED_STATUSES)
 def _unfinished(status: Any) -> ColumnElement[bool]:
     """The status test of statements that pick jobs by ID. With `status IN (queued,
     running)` the planner may also walk the status index: every active entry and, until a
-    vacuum, every once-active one (two per finished job). On a never-analysed table of 15k
-    jobs that took a 32-job claim 1.8 ms against 0.3 ms by primary key alone. `NOT IN` the
-    finished statuses, which no index serves, leaves the lookup by key."""
+    vacuum, every once-active one (two per finished job), a walk that makes a claim far slower
+    than the lookup by primary key alone. `NOT IN` the finished statuses, which no index
+    serves, leaves the lookup by key."""
     return status.not_in(_FINISHED)
 
 
@@ -318,8 +327,8 @@ def _unclaimed() -> ColumnElement[bool]:
 # A gathering's outcomes in one statement on PostgreSQL, from arrays: the jobs still active
 # take theirs, those that succeeded get their result rows, and the loads of the jobs it ended
 # come back by shard (a job's load returns once, with the statement that ends it). Row by row
-# (an UPDATE and an INSERT per job after a locking SELECT) cost both the recorder and the
-# database about twice the CPU, taken from the engine's cores.
+# (an UPDATE and an INSERT per job after a locking SELECT) costs both the recorder and the
+# database far more CPU, taken from the engine's cores.
 _RECORD_OUTCOMES_POSTGRESQL = text("""
 WITH finished AS (
     UPDATE jobs SET status = o.status, error = o.error, finished_at = o.finished_at
@@ -369,9 +378,8 @@ def _record_outcomes_postgresql(connection: Connection, outcomes: Sequence[JobOu
 def _copy_rows(connection: Connection, table: Any, rows: Sequence[dict[str, Any]],
                into: str | None = None) -> None:
     """Insert rows with PostgreSQL's COPY, in the connection's transaction (into the table
-    `into` of the same columns, if given). A submit's jobs
-    went in as one INSERT per row before: for a 256-job burst 9.3 ms and 4.5 ms of the
-    producer's CPU, against 4.3 and 1.6 this way, all of it before the first job can run."""
+    `into` of the same columns, if given). One INSERT per row costs a submit far more time
+    and producer CPU, all of it before the first job can run."""
     if not rows:
         return
     columns = list(rows[0])
@@ -416,8 +424,8 @@ class Store:
             self._among_listed(Document.key, "keys"))
         self._document_texts = select(Document.key, Document.text_zst).where(
             self._among_listed(Document.key, "keys"))
-        # A waiting producer's checks, also built once: building the statement took a third
-        # of a 256-job check's client CPU, on cores the engines keep busy.
+        # A waiting producer's checks, also built once: building the statement anew would be a
+        # large share of each check's client CPU, on cores the engines keep busy.
         self._statuses = select(Job.id, Job.status).where(self._among_listed(Job.id, "job_ids"))
         self._count_unfinished = select(func.count()).select_from(Job).where(
             self._among_listed(Job.id, "job_ids"), _unfinished(Job.status))
@@ -425,6 +433,7 @@ class Store:
         self._has_batches = False
 
     def dispose(self) -> None:
+        """Close every pooled connection."""
         self.engine.dispose()
 
     def _insert_ignoring_duplicates(self, table: Any) -> Any:
@@ -432,7 +441,7 @@ class Store:
 
     def _among(self, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
         """`column IN values`; on PostgreSQL as one array parameter. An IN list binds each
-        value on its own, which cost a status poll of 256 jobs half again the client's CPU."""
+        value on its own, which adds to a status poll's client CPU with every job it names."""
         if self._dialect is postgresql:
             return column == any_(literal(list(values), postgresql.ARRAY(String)))
         return column.in_(list(values))
@@ -802,6 +811,7 @@ class Store:
         return FinishSignal(self.engine)
 
     def get_many(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
+        """The jobs among `job_ids` that exist, with their answers, in one query."""
         query = (
             select(Job.id, Job.status, Job.error, Job.shard, Job.prompt_tokens, Job.submitted_at,
                    Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
@@ -835,6 +845,7 @@ class Store:
             return list(connection.scalars(query))
 
     def count_unfinished(self, job_ids: Sequence[str]) -> int:
+        """How many of these jobs have not finished: what a waiting producer checks."""
         with self._reads.connect() as connection:
             return connection.execute(self._count_unfinished,
                                       {"job_ids": list(job_ids)}).scalar_one()

@@ -19,6 +19,8 @@ RUN_BATCH_TASK = "jobsvc.run_batch"
 
 
 def make_celery(settings: Settings) -> Celery:
+    """The Celery app producers and workers share, JSON and zstd only, so the two sides can never
+    disagree on the wire."""
     compression.configure(settings.zstd_level, settings.max_message_bytes)
     compression.register_kombu_codec()
     app = Celery("jobsvc", broker=settings.redis_url, set_as_current=False)

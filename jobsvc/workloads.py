@@ -54,11 +54,14 @@ def document(rng: random.Random, words: int) -> str:
 
 
 def question(rng: random.Random) -> str:
+    """A seeded question about two words of the lexicon."""
     return f"{rng.choice(QUESTION_STARTS)} {rng.choice(_LEXICON)} and {rng.choice(_LEXICON)}?"
 
 
 @dataclass(frozen=True)
 class WorkloadJob:
+    """One generated job: a document and a question about it."""
+
     document: str
     question: str
 

@@ -32,6 +32,9 @@ T = TypeVar("T")
 
 
 class BatchRunner:
+    """Runs one message's jobs from claim to committed results: what makes acknowledging a message
+    safe, since it returns only once every result it ran is in the store."""
+
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
                  recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int,
                  batch_size: int, hooks: WorkerHooks) -> None:

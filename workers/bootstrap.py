@@ -161,6 +161,8 @@ def refuse_held_shard(settings: Settings, shard: int) -> None:
 
 
 def run_worker(settings: Settings, shard: int, device: str | None) -> None:
+    """Run the worker of `shard` until it stops, with its device bound before vLLM is imported;
+    exits with Celery's code, so a supervisor restarts a worker that failed."""
     bind_device(settings, device)
     keep_to_device(device)
     yield_to_helpers(settings.worker_nice)

@@ -2,14 +2,13 @@
 
 A collection holds the GIL for its whole length, so the engine's front end (which admits
 requests and takes their outputs) stops with it; on a host whose cores the engine keeps busy
-the OS also takes the collecting thread's core away mid-collection, stretching a pause of a
-few milliseconds of CPU to tens (up to 39 ms for 5.7 ms of CPU on the AVX2 host). A young
-collection starts once more tracked objects have survived than its threshold allows, and a
-burst keeps about 30 alive per request in flight; so while any batch runs the threshold is
-raised past what thousands of requests in flight keep alive, and no collection falls inside a
-burst unless far more than that is alive or lost in reference cycles (then one runs, walking
-them all). Once no batch runs, the usual threshold returns and the next allocation collects
-whatever the burst left."""
+the OS also takes the collecting thread's core away mid-collection, stretching the pause well
+past the CPU the collection took. A young collection starts once more tracked objects have
+survived than its threshold allows, and every request in flight keeps a few dozen alive; so
+while any batch runs the threshold is raised past what thousands of requests in flight keep
+alive, and no collection falls inside a burst unless far more than that is alive or lost in
+reference cycles (then one runs, walking them all). Once no batch runs, the usual threshold
+returns and the next allocation collects whatever the burst left."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 # Surviving tracked objects a young collection waits for while batches run (CPython's own
-# threshold is 700): above the ~60,000 that 2,048 requests in flight keep alive, below what
-# would make the collection that finally runs a pause of much over 30 ms.
+# threshold is 700): above what a few thousand requests in flight keep alive, below what would
+# make the collection that finally runs a pause longer than the ones it spares.
 BUSY_YOUNG_THRESHOLD = 100_000
 
 
@@ -42,6 +41,7 @@ class CollectionWindow:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
+        """Hold the raised threshold while a batch runs; the last batch to end restores it."""
         with self._lock:
             if self._running == 0:
                 self._idle_thresholds = gc.get_threshold()

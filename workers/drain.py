@@ -32,6 +32,9 @@ _DRAIN_ERRORS = (redis.RedisError, SQLAlchemyError, OperationalError)
 
 
 class DrainWatch:
+    """Watches for the worker's shard to be flagged draining and then takes the worker out with
+    nothing lost and nothing run twice."""
+
     def __init__(self, client: redis.Redis, shard: int, activity: BatchActivity,
                  mover: ShardMover, *, stop_consuming: Callable[[], None],
                  shut_down: Callable[[], None]) -> None:

@@ -32,8 +32,8 @@ class EngineRequest:
     Tuples, not lists: the garbage collector stops tracking a tuple of ints the first time it
     meets one, while it walks every element of a live list at every collection. That first
     meeting still walks every element, so joined prompts are made one at a time between the
-    engine's own allocations: a young collection meets a few, not a whole batch (256 joined
-    prompts of ~1,500 tokens made at once cost the collection that met them 4-6 ms)."""
+    engine's own allocations: a young collection meets a few, not a whole batch (a batch of
+    joined prompts made at once makes the collection that meets them a long pause)."""
 
     job_id: str
     prefix: tuple[int, ...]
@@ -42,11 +42,14 @@ class EngineRequest:
 
     @property
     def prompt_tokens(self) -> int:
+        """The whole prompt's length."""
         return len(self.prefix) + len(self.suffix)
 
 
 @dataclass(frozen=True)
 class EngineResult:
+    """How one request ended in the engine, as the loop thread hands it back to the batch."""
+
     job_id: str
     text: str | None
     error: str | None
@@ -73,6 +76,7 @@ class Pacing:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Pacing:
+        """The pacing of JOBSVC_ADMISSION_CHUNK and JOBSVC_ADMISSION_PAUSE_MS."""
         return cls(settings.admission_chunk, settings.admission_pause_ms / 1000)
 
 
@@ -121,6 +125,9 @@ def engine_args(settings: Settings) -> dict[str, Any]:
 
 
 class EngineAdapter:
+    """Keeps vLLM's AsyncLLM on an event loop of its own, so that Celery's task threads (no event
+    loop of theirs) hand it batches and take results back."""
+
     def __init__(self, engine_args: dict[str, Any], pacing: Pacing = Pacing(),
                  on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         self._engine_args = engine_args
@@ -179,6 +186,7 @@ class EngineAdapter:
         return asyncio.run_coroutine_threadsafe(function(self._engine), self._loop)
 
     def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache and wait for it: a benchmark arm starts cold this way."""
         self.schedule(lambda engine: engine.reset_prefix_cache()).result()
 
     @property
@@ -192,6 +200,7 @@ class EngineAdapter:
         return self._engine is not None and bool(self._engine.errored)
 
     def abort(self, job_id: str) -> None:
+        """Abort a job's request (a cancel), or withdraw it if it has not reached the engine yet."""
         asyncio.run_coroutine_threadsafe(self._abort(job_id), self._loop)
 
     async def _abort(self, job_id: str) -> None:

@@ -33,6 +33,7 @@ class BatchActivity:
 
     @contextmanager
     def running(self) -> Iterator[None]:
+        """Count a batch in flight while the block runs, and note when it ends."""
         with self._lock:
             self._in_flight += 1
         try:
@@ -50,6 +51,9 @@ class BatchActivity:
 
 
 class HeartbeatKeeper:
+    """Writes the worker's heartbeat every few seconds from its own thread, so a busy engine never
+    makes a live worker look dead."""
+
     def __init__(self, redis_url: str, shard: int, worker: str, activity: BatchActivity
                  ) -> None:
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=_REDIS_TIMEOUT_SECONDS,
@@ -72,6 +76,7 @@ class HeartbeatKeeper:
         self._thread.start()
 
     def engine_started(self) -> None:
+        """The engine answers: say so at once rather than at the next beat."""
         self._engine_ready = True
         self._beat()
 

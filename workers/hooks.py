@@ -78,26 +78,32 @@ class HookChain(WorkerHooks):
         self._hooks = tuple(hooks)
 
     def on_start(self, worker: WorkerContext) -> None:
+        """Call every hook's `on_start`."""
         for hooks in self._hooks:
             hooks.on_start(worker)
 
     def on_claim(self, job_ids: Sequence[str]) -> None:
+        """Call every hook's `on_claim`."""
         for hooks in self._hooks:
             hooks.on_claim(job_ids)
 
     def on_admit(self, jobs: int, admitted_at: float) -> None:
+        """Call every hook's `on_admit`."""
         for hooks in self._hooks:
             hooks.on_admit(jobs, admitted_at)
 
     def on_jobs_finished(self, batch: FinishedBatch) -> None:
+        """Call every hook's `on_jobs_finished`."""
         for hooks in self._hooks:
             hooks.on_jobs_finished(batch)
 
     def on_batch_end(self, jobs: int, admitted_at: float) -> None:
+        """Call every hook's `on_batch_end`."""
         for hooks in self._hooks:
             hooks.on_batch_end(jobs, admitted_at)
 
     def on_stop(self) -> None:
+        """Call every hook's `on_stop`."""
         for hooks in self._hooks:
             hooks.on_stop()
 

@@ -66,6 +66,9 @@ def _charged_level(level: int, size: int, batch_size: int) -> int:
 
 
 class EngineTurns:
+    """Gives the engine to batches together or to one suspect group alone, so a job that kills the
+    engine takes no innocent job down with it."""
+
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._sharing = 0

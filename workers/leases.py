@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
+    """Renews the leases of the messages this worker runs, so a batch longer than the visibility
+    timeout is not delivered again while it still runs."""
+
     def __init__(self, client: redis.Redis, visibility_timeout: float) -> None:
         self._redis = client
         self._interval = visibility_timeout / 3
@@ -28,17 +31,21 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
     def start(self) -> None:
+        """Start renewing, every third of the visibility timeout."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop renewing; leases still held then run out, and their messages come back."""
         self._stopped.set()
         self._thread.join(timeout=5)
 
     def hold(self, tag: str) -> None:
+        """Renew the lease of the message with delivery tag `tag` until it is released."""
         with self._lock:
             self._tags[tag] = self._tags.get(tag, 0) + 1
 
     def release(self, tag: str) -> None:
+        """Stop renewing `tag` once every hold of it has been released."""
         with self._lock:
             left = self._tags.get(tag, 0) - 1
             if left > 0:

@@ -91,6 +91,7 @@ class WorkerMetrics(WorkerHooks):
             buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
 
     def on_jobs_finished(self, batch: FinishedBatch) -> None:
+        """Count the batch's jobs and tokens, and how far the router's prefill estimate was off."""
         jobs = {job.job_id: job for job in batch.jobs}
         succeeded = [result for result in batch.results if result.error is None]
         self._succeeded.inc(len(succeeded))

@@ -55,12 +55,14 @@ class Completion:
             return self._unfinished == 0
 
     def committed(self, jobs: int) -> None:
+        """Count `jobs` of the batch's results committed; the last one lets the batch return."""
         with self._lock:
             self._uncommitted -= jobs
             if self._uncommitted <= 0:
                 self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every result of the batch to be committed; false if `timeout` passed first."""
         return self._done.wait(timeout)
 
 
@@ -85,6 +87,9 @@ class _Pending:
 
 
 class ResultRecorder:
+    """Writes results from a thread of its own, gathered into few transactions, so the engine's loop
+    never waits on the database."""
+
     def __init__(self, store: Store, shard_state: ShardState, feedback: CacheFeedback,
                  block_size: int, gather_seconds: float = _GATHER_SECONDS) -> None:
         self._store = store
@@ -99,6 +104,7 @@ class ResultRecorder:
         self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
 
     def start(self) -> None:
+        """Start the recording thread."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -110,6 +116,7 @@ class ResultRecorder:
 
     def job_finished(self, outcome: JobOutcome, shard: int, check: CacheCheck,
                      completion: Completion) -> None:
+        """Hand over a job's outcome to be written; its batch counts it once it is committed."""
         self._gather(("job", (outcome, shard, check, completion)),
                      completes_batch=completion.finished())
 
@@ -118,6 +125,7 @@ class ResultRecorder:
         self._gather(("started", (job_ids, started_at)))
 
     def batch_finished(self, row: dict[str, Any]) -> None:
+        """Hand over a batch's stats row (`batch_stats`) to be written with the next results."""
         self._gather(("batch", row))
 
     def release_load(self, releases: dict[int, int]) -> None:

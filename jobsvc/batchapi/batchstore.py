@@ -46,6 +46,9 @@ class BatchChanged(RuntimeError):
 
 @dataclass(frozen=True)
 class BatchRecord:
+    """A batch row as the API and the driver read it: plain values, so nothing outside this module
+    spells a column."""
+
     id: str
     endpoint: str
     input_file_id: str
@@ -94,6 +97,7 @@ class Tally:
     output_tokens: int
 
     def usage(self) -> dict[str, Any]:
+        """The tally's tokens as a batch object's `usage` (no reasoning tokens)."""
         return {"input_tokens": self.input_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens,
@@ -121,6 +125,9 @@ class OutputRow:
 
 
 class BatchStore:
+    """Every read and write of the batches and their lines, in one place, each driver write fenced
+    by its lease."""
+
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._insert = (postgresql.insert if engine.dialect.name == "postgresql"
@@ -128,6 +135,7 @@ class BatchStore:
 
     def create(self, *, endpoint: str, input_file_id: str, completion_window: str,
                metadata: dict[str, str] | None, window_seconds: int) -> BatchRecord:
+        """A new `validating` batch, expiring in `window_seconds`; the driver takes it on."""
         now = utcnow()
         with self._engine.begin() as connection:
             row = connection.execute(insert(BatchRow).values(
@@ -139,6 +147,7 @@ class BatchStore:
             return _record(row)
 
     def get(self, batch_id: str) -> BatchRecord | None:
+        """The batch `batch_id` as it stands; None: no such batch."""
         with self._engine.connect() as connection:
             row = connection.execute(select(*_COLUMNS).where(BatchRow.id == batch_id)).first()
         return None if row is None else _record(row)
@@ -231,6 +240,8 @@ class BatchStore:
                      "error": outcome.error} for outcome in outcomes])
 
     def tally(self, batch_id: str) -> Tally:
+        """Where the batch's lines stand, counted from its jobs in one query: the counts and usage
+        the API shows come from the rows, never from a counter that could drift."""
         status = Job.status
         finished_badly = status.in_([JobStatus.FAILED.value, JobStatus.CANCELLED.value])
         succeeded = status == JobStatus.SUCCEEDED.value

@@ -84,6 +84,9 @@ def driver_name() -> str:
 
 
 class BatchDriver:
+    """Takes every batch this server holds the lease of from `validating` to its end, a step per
+    round, so a batch goes on after any server restarts or dies."""
+
     def __init__(self, settings: Settings, client: Client, ingestor: Ingestor,
                  engine: Engine, *, only: str | None = None) -> None:
         self.name = driver_name()
@@ -101,6 +104,7 @@ class BatchDriver:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Run the rounds in a thread of their own, so the HTTP server never waits on a batch."""
         self._thread = threading.Thread(target=self._run, name="batch-driver", daemon=True)
         self._thread.start()
 
@@ -163,6 +167,8 @@ class BatchDriver:
             log.exception("batch %s could not be marked failed", batch.id)
 
     def step(self, batch: BatchRecord) -> None:
+        """Move one batch one step on from the state it is in (validate, ingest a slice, follow its
+        jobs, finalize); each step is safe to take again after a crash."""
         expired = _expired(batch)
         if batch.status == "validating":
             if expired:

@@ -28,6 +28,8 @@ class FileVanished(RuntimeError):
 
 @dataclass(frozen=True)
 class FileRecord:
+    """A stored file as the API shows it, without its bytes."""
+
     id: str
     filename: str
     purpose: str
@@ -36,6 +38,7 @@ class FileRecord:
 
 
 def new_file_id() -> str:
+    """A fresh file ID, in OpenAI's `file-` form."""
     return f"file-{uuid.uuid4().hex}"
 
 
@@ -73,6 +76,8 @@ class FileWriter:
         return self
 
     def write(self, data: bytes) -> None:
+        """Add bytes to the file; every full chunk goes to the database at once, so memory holds at
+        most one chunk."""
         self.size += len(data)
         self._buffer += data
         while len(self._buffer) >= CHUNK_BYTES:
@@ -108,6 +113,8 @@ class FileWriter:
 
 
 class FileStore:
+    """Every read and write of the files table and its chunks, in one place."""
+
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
@@ -117,6 +124,7 @@ class FileStore:
         return FileWriter(self._engine, filename, purpose, connection=connection)
 
     def get(self, file_id: str) -> FileRecord | None:
+        """The file `file_id` (its row, not its bytes); None: no such file."""
         with self._engine.connect() as connection:
             row = connection.execute(select(StoredFile).where(StoredFile.id == file_id)).first()
         return None if row is None else _record(row)
@@ -134,6 +142,7 @@ class FileStore:
         return [_record(row) for row in rows], more
 
     def delete(self, file_id: str) -> bool:
+        """Delete a file and, by cascade, its chunks; false: there was no such file."""
         with self._engine.begin() as connection:
             return connection.execute(
                 delete(StoredFile).where(StoredFile.id == file_id)).rowcount > 0

@@ -52,6 +52,9 @@ class _Accepted:
 
 
 class Ingestor:
+    """Turns slices of a batch's request lines into jobs, with everything a line needs checked first
+    so that a bad line fails alone instead of taking its slice down."""
+
     def __init__(self, client: Client, prompts: PromptBuilder, template: ChatTemplate, *,
                  served_model: str, max_stop_chars: int) -> None:
         self._client = client
@@ -62,6 +65,7 @@ class Ingestor:
 
     @property
     def context_length(self) -> int:
+        """The served model's context, in tokens: what a prompt and its answer must fit in."""
         return self._prompts.context_length
 
     def ingest(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]

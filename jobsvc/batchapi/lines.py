@@ -125,12 +125,16 @@ class FileError:
     param: str | None = None
 
     def to_api(self) -> dict[str, Any]:
+        """The error as an entry of the batch object's `errors.data`."""
         return {"code": self.code, "message": self.message, "line": self.line,
                 "param": self.param}
 
 
 @dataclass(frozen=True)
 class RequestLine:
+    """One request line of a batch file, its structure checked; what the body asks for is checked
+    later, line by line."""
+
     line: int
     custom_id: str
     body: dict[str, Any]
@@ -139,6 +143,8 @@ class RequestLine:
 
 
 class LineStructureError(ValueError):
+    """A line that breaks the file's structure, so the whole file fails; `error` says why."""
+
     def __init__(self, error: FileError) -> None:
         super().__init__(error.message)
         self.error = error
@@ -270,6 +276,7 @@ class FileCheck:
     _first_line_of: dict[bytes, int] = field(default_factory=dict)
 
     def add(self, line: int, raw: RawLine) -> None:
+        """Check the next line's structure and that its custom_id is new; else the file fails."""
         self.requests += 1
         if self.requests > MAX_LINES:
             self._fail(FileError("too_many_requests", f"the file has more than {MAX_LINES} "
@@ -288,6 +295,7 @@ class FileCheck:
                 f"{request.custom_id!r} of line {first}", line, "custom_id"))
 
     def finish(self) -> None:
+        """Check what only the end of the file can tell: a file without requests fails."""
         if self.requests == 0:
             self._fail(FileError("empty_file", "the file holds no requests"))
 

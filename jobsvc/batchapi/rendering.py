@@ -29,6 +29,9 @@ _MARK = "\x00jobsvc-last-message\x00"
 
 @dataclass(frozen=True)
 class SplitPrompt:
+    """A prompt cut in two: the prefix shared with other requests (routed and cached as one) and the
+    request's own suffix."""
+
     prefix: str
     suffix: str
 

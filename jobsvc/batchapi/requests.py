@@ -39,12 +39,15 @@ class LineError(ValueError):
         self.code = code
 
     def to_api(self) -> dict[str, Any]:
+        """The error as the `error` of an error file's line, as the endpoint's 400 would say it."""
         return {"message": str(self), "type": "invalid_request_error", "param": self.param,
                 "code": self.code}
 
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """A chat line's request, checked and reduced to what the prompt and the engine need."""
+
     # Roles and text only: content parts are joined, `developer` is `system`.
     messages: list[dict[str, str]]
     sampling: dict[str, Any]
@@ -54,6 +57,8 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class CompletionRequest:
+    """A completions line's request, checked and reduced to what the prompt and the engine need."""
+
     prompt: str
     sampling: dict[str, Any]
     max_tokens: int

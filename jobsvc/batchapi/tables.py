@@ -27,6 +27,8 @@ class StoredFile(Base):
 
 
 class FileChunk(Base):
+    """One chunk of a file's bytes: files are written and read a chunk at a time, never whole."""
+
     __tablename__ = "file_chunks"
     file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"),
                                          primary_key=True)

@@ -38,6 +38,9 @@ class RoutingJob(NamedTuple):
 
 @dataclass(frozen=True)
 class Route:
+    """Where a job goes and what it costs there: the worker returns the same load when the job ends,
+    so the shard's counter comes back to zero."""
+
     shard: int
     # Prompt tokens the shard is expected to compute: compared by the worker with what the
     # engine really found cached.
@@ -57,6 +60,7 @@ class DocumentDemand:
     cost_if_known: int
 
     def cost(self, is_new: bool) -> int:
+        """The load the document's jobs add to a shard, depending on whether it is new there."""
         return self.cost_if_new if is_new else self.cost_if_known
 
 

@@ -36,6 +36,8 @@ class CacheFeedback:
         self._learn = client.register_script(_LEARN)
 
     def engine_started(self, shard: int, capacity_blocks: int) -> None:
+        """A shard's engine (re)started with an empty cache of `capacity_blocks`: forget what the
+        router thought it held and take its size as reported."""
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(cache_key(shard))
             pipe.hset(REPORTED_CAPACITY_KEY, str(shard), capacity_blocks)

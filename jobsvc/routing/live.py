@@ -41,6 +41,7 @@ def live_shard_ids(workers: Mapping[int, SeenWorker], draining: Collection[int],
 
 
 def read_draining(client: redis.Redis) -> set[int]:
+    """The shards flagged draining (`jobsvc drain`), which new jobs must not go to."""
     return {int(shard) for shard in client.smembers(DRAINING_KEY)}
 
 
@@ -56,6 +57,8 @@ class LiveShards:
         self._read_at = float("-inf")
 
     def shards(self) -> tuple[int, ...]:
+        """The live shards now, read again only when the last read is older than
+        LIVE_SET_SECONDS."""
         now = self._clock()
         if now - self._read_at >= LIVE_SET_SECONDS:
             self._shards = live_shard_ids(read_heartbeats(self._redis),

@@ -47,6 +47,8 @@ def least_loaded(loads: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class Placement:
+    """A document's shard, and whether the shard must compute it whole: the two differ in cost."""
+
     shard: int
     # The document was not held by any shard before: its shard computes it whole.
     is_new: bool
@@ -69,6 +71,7 @@ class RoutingPolicy(ABC):
         shard will hold the chain once the job has run) but does not charge the shard."""
 
     def charge(self, shard: int, work: int) -> None:
+        """Add `work` to the shard's outstanding load (a job routed there)."""
         self.loads[shard] += work
 
     def job_finished(self, shard: int, work: int) -> None:
@@ -101,11 +104,13 @@ class RoundRobinPolicy(RoutingPolicy):
         self.next_shard = first % shards
 
     def choose(self, blocks: Sequence[Hashable], prompt_tokens: int) -> int:
+        """The next shard in turn, whatever the job."""
         shard = self.next_shard
         self.next_shard = (shard + 1) % len(self.loads)
         return shard
 
     def reindex(self, sources: Sequence[int | None]) -> None:
+        """Follow a change of the shard set, keeping the turn within it."""
         super().reindex(sources)
         self.next_shard %= len(self.loads)
 
@@ -124,6 +129,8 @@ class AffinityPolicy(RoutingPolicy):
         self.shard_of: dict[Hashable, int] = {}
 
     def choose(self, blocks: Sequence[Hashable], prompt_tokens: int) -> int:
+        """The shard of the document's last block, placing it if new; a document without a full
+        block goes to the least loaded shard."""
         if not blocks:
             return least_loaded(self.loads)
         return self.place(blocks[-1]).shard
@@ -138,12 +145,14 @@ class AffinityPolicy(RoutingPolicy):
         return Placement(shard, True)
 
     def reindex(self, sources: Sequence[int | None]) -> None:
+        """Follow a change of the shard set; a departed shard's documents are placed anew."""
         super().reindex(sources)
         new_index = {old: new for new, old in enumerate(sources) if old is not None}
         self.shard_of = {key: new_index[old] for key, old in self.shard_of.items()
                          if old in new_index}
 
     def state_entries(self) -> int:
+        """The loads plus one entry per document placed."""
         return super().state_entries() + len(self.shard_of)
 
     def place_documents(self, demands: Sequence[DocumentDemand]) -> list[Placement]:
@@ -210,6 +219,7 @@ class CacheAwarePolicy(RoutingPolicy):
         return count
 
     def choose(self, blocks: Sequence[Hashable], prompt_tokens: int) -> int:
+        """The shard `route` picks for the job."""
         return self.route(blocks, prompt_tokens)[0]
 
     def route(self, blocks: Sequence[Hashable], prompt_tokens: int) -> tuple[int, int]:
@@ -284,6 +294,8 @@ class CacheAwarePolicy(RoutingPolicy):
         self._evict(shard)
 
     def reindex(self, sources: Sequence[int | None]) -> None:
+        """Follow a change of the shard set: a shard that joined starts empty at the default
+        capacity, one that left takes its estimate with it."""
         default = self.default_capacity
         super().reindex(sources)
         self.held = [OrderedDict() if old is None else self.held[old] for old in sources]
@@ -348,6 +360,8 @@ POLICY_NAMES = tuple(POLICIES)
 
 
 def policy_class(name: str) -> type[RoutingPolicy]:
+    """The policy called `name` (JOBSVC_ROUTING_POLICY); ConfigurationError, naming the choices, for
+    any other name."""
     policy = POLICIES.get(name)
     if policy is None:
         raise ConfigurationError(

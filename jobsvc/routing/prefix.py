@@ -32,6 +32,8 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
 
 @dataclass(frozen=True)
 class DocumentKeys:
+    """What routing and storage need to know of a document, computed once from its tokens."""
+
     # Routes the document: the chained hash of its last full block (of all of it if shorter).
     prefix_key: str
     # Identifies the exact token sequence; stored documents are keyed by it.
@@ -43,6 +45,7 @@ class DocumentKeys:
 
 
 def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
+    """The document's keys and block chain from its tokens, hashed as the engine keys its cache."""
     hashes = block_hashes(tokens, block_size)
     full = len(hashes) * block_size
     last_full = hashes[-1] if hashes else _EMPTY

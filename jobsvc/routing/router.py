@@ -63,6 +63,9 @@ _LOCK_SECONDS = 10
 
 
 class Router(ABC):
+    """A policy made shared: any number of producers route through the state in Redis as one router
+    would, and charge the same load counters."""
+
     def __init__(self, client: redis.Redis, state: ShardState, settings: Settings) -> None:
         self._redis = client
         self._state = state
@@ -88,6 +91,7 @@ class RoundRobinRouter(Router):
     """`RoundRobinPolicy` dealing from one count of jobs that all producers share."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        """Deal the jobs in turn over the live shards, from the count all producers share."""
         live = self.live_shards()
         end = int(self._redis.incrby(ROUND_ROBIN_KEY, len(jobs)))
         routes = _on_shards(_deal(RoundRobinPolicy(len(live), first=end - len(jobs)), jobs), live)
@@ -95,6 +99,7 @@ class RoundRobinRouter(Router):
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
+        """The shards a fresh count would deal these jobs to."""
         return [route.shard for route in _deal(RoundRobinPolicy(self.shards), jobs)]
 
 
@@ -103,6 +108,8 @@ class AffinityRouter(Router):
     submit's documents in one read and one write."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        """Place each document on the live shard that holds it, or on the least loaded one if new,
+        and claim the new placements; a race lost to another producer takes its shard."""
         live = self.live_shards()
         demands = document_demands(jobs)
         placed, departed, loads = self._state.placements_and_loads(
@@ -117,6 +124,7 @@ class AffinityRouter(Router):
         return _placed_routes(jobs, demands, placements)
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
+        """The shards a fresh affinity map would place these jobs on."""
         demands = document_demands(jobs)
         placements = AffinityPolicy(self.shards).place_documents(demands)
         return [route.shard for route in _placed_routes(jobs, demands, placements)]
@@ -127,6 +135,8 @@ class CacheAwareRouter(Router):
     chains touch, under the routing lock."""
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+        """Route the jobs on the shards' cache estimates under the routing lock, so two producers
+        never decide on the same stale estimate."""
         lock = self._redis.lock(ROUTING_LOCK_KEY, timeout=_LOCK_SECONDS,
                                 blocking_timeout=_LOCK_SECONDS)
         if not lock.acquire():
@@ -148,6 +158,7 @@ class CacheAwareRouter(Router):
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
+        """The shards the policy picks for these jobs on empty caches."""
         return [route.shard for route in self._policy(self.shards).route_jobs(jobs)]
 
     def _policy(self, shards: int) -> CacheAwarePolicy:

@@ -62,6 +62,9 @@ return 1
 
 
 class ShardState:
+    """The shards' loads and the affinity map in Redis, changed only by atomic scripts and pipelines
+    so that producers and workers never undo each other's counts."""
+
     def __init__(self, client: redis.Redis) -> None:
         self._redis = client
         self._claim = client.register_script(_CLAIM)
@@ -123,6 +126,7 @@ class ShardState:
             placements[index] = Placement(shard, False)
 
     def charge(self, charges: Mapping[int, int]) -> None:
+        """Add routed jobs' loads to their shards' counters, in one round trip."""
         if charges:
             with self._redis.pipeline(transaction=False) as pipe:
                 for shard, tokens in charges.items():

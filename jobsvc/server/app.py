@@ -22,6 +22,7 @@ _meta = APIRouter()
 
 @_meta.get("/v1/models")
 def list_models(request: Request) -> ModelList:
+    """The one model this server serves, so clients that ask before they send find its name."""
     services = services_of(request)
     return ModelList(data=[ModelObject(id=services.settings.served_model_name,
                                        created=services.started)])
@@ -29,6 +30,7 @@ def list_models(request: Request) -> ModelList:
 
 @_meta.get("/health")
 def health() -> Health:
+    """Answers while the server runs: what `ServerProcess` and load balancers wait on."""
     return Health()
 
 
@@ -41,6 +43,8 @@ def metrics(request: Request) -> Response:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    """The server's app: request bounds outermost, one error shape, every router, and the services
+    (the batch driver among them) opened and closed with its life."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.open(settings)

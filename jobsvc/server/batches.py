@@ -34,6 +34,8 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 @router.post("")
 def create_batch(request: Request, body: CreateBatch) -> BatchObject:
+    """Record a batch over an uploaded `batch` file, with every field checked first; the driver
+    validates and runs it from there."""
     services = services_of(request)
     if body.endpoint not in ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}",
@@ -59,6 +61,7 @@ def create_batch(request: Request, body: CreateBatch) -> BatchObject:
 @router.get("")
 def list_batches(request: Request, after: RequestText | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> BatchList:
+    """A page of batches, newest first, continued after `after`."""
     services = services_of(request)
     records, has_more = services.batches.page(after=after, limit=limit)
     model = services.settings.served_model_name
@@ -67,6 +70,7 @@ def list_batches(request: Request, after: RequestText | None = None,
 
 @router.get("/{batch_id}")
 def retrieve_batch(request: Request, batch_id: RequestText) -> BatchObject:
+    """The batch as it stands, counts and usage from its jobs."""
     services = services_of(request)
     batch = services.batches.get(batch_id)
     if batch is None:
@@ -76,6 +80,8 @@ def retrieve_batch(request: Request, batch_id: RequestText) -> BatchObject:
 
 @router.post("/{batch_id}/cancel")
 def cancel_batch(request: Request, batch_id: RequestText) -> BatchObject:
+    """Mark the batch `cancelling` and wake the driver, which cancels its jobs and ends it; a batch
+    past cancelling is shown as it is."""
     services = services_of(request)
     batch = services.batches.request_cancel(batch_id)
     if batch is None:

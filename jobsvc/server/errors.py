@@ -25,6 +25,9 @@ RETRY_AFTER_SECONDS = 5
 
 
 class ApiError(Exception):
+    """An error the server answers in OpenAI's shape, with its status: raised anywhere a route finds
+    a request wrong."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error",
                  headers: dict[str, str] | None = None) -> None:
@@ -36,12 +39,14 @@ class ApiError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
+        """The error as its JSON response."""
         return JSONResponse({"error": {"message": str(self), "type": self.kind,
                                        "param": self.param, "code": self.code}},
                             status_code=self.status, headers=self.headers)
 
 
 def not_found(what: str, object_id: str, param: str | None = None) -> ApiError:
+    """The 404 for an object that does not exist, naming its ID and the field that gave it."""
     return ApiError(404, f"no {what} with ID {object_id!r}", param=param, code="not_found")
 
 
@@ -53,6 +58,8 @@ def _field(location: tuple[Any, ...]) -> str | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app raises (ours, FastAPI's validation, Starlette's HTTP ones, the
+    unexpected) answer in the one shape."""
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()

@@ -18,6 +18,7 @@ router = APIRouter(prefix="/v1/files")
 
 @router.post("")
 async def upload_file(request: Request) -> FileObject:
+    """Store an uploaded file, received whole within the limit before the database sees it."""
     services = services_of(request)
     record = await receive_upload(request.stream(), request.headers.get("content-type", ""),
                                   services.files, services.settings.max_upload_bytes)
@@ -29,6 +30,7 @@ def list_files(request: Request, after: RequestText | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                order: Literal["asc", "desc"] = "desc",
                purpose: RequestText | None = None) -> FileList:
+    """A page of files, newest first unless asked, optionally of one purpose."""
     records, has_more = services_of(request).files.page(
         after=after, limit=limit, ascending=order == "asc", purpose=purpose)
     return FileList.of([FileObject.of(record) for record in records], has_more)
@@ -36,6 +38,7 @@ def list_files(request: Request, after: RequestText | None = None,
 
 @router.get("/{file_id}")
 def retrieve_file(request: Request, file_id: RequestText) -> FileObject:
+    """The file's object, without its bytes."""
     record = services_of(request).files.get(file_id)
     if record is None:
         raise not_found("file", file_id, "file_id")
@@ -57,6 +60,7 @@ def file_content(request: Request, file_id: RequestText) -> StreamingResponse:
 
 @router.delete("/{file_id}")
 def delete_file(request: Request, file_id: str) -> FileDeleted:
+    """Delete a file, unless an unfinished batch still reads it (409)."""
     services = services_of(request)
     # An unfinished batch still reads its input file: deleted, its unread lines could never
     # end with an output or error line.

@@ -31,6 +31,8 @@ def _seconds(moment: datetime | None) -> int | None:
 
 
 class FileObject(BaseModel):
+    """A file as the client's `FileObject` declares it."""
+
     id: str
     object: Literal["file"] = "file"
     bytes: int
@@ -43,17 +45,22 @@ class FileObject(BaseModel):
 
     @classmethod
     def of(cls, record: FileRecord) -> FileObject:
+        """The API object of a stored file."""
         return cls(id=record.id, bytes=record.bytes, created_at=_seconds(record.created_at),
                    filename=record.filename, purpose=record.purpose)
 
 
 class FileDeleted(BaseModel):
+    """What deleting a file answers."""
+
     id: str
     object: Literal["file"] = "file"
     deleted: bool
 
 
 class FileList(BaseModel):
+    """A cursor page of files, as the client's pager reads it."""
+
     object: Literal["list"] = "list"
     data: list[FileObject]
     first_id: str | None
@@ -62,11 +69,14 @@ class FileList(BaseModel):
 
     @classmethod
     def of(cls, files: list[FileObject], has_more: bool) -> FileList:
+        """The page of these files, its first and last IDs set for the pager."""
         return cls(data=files, first_id=files[0].id if files else None,
                    last_id=files[-1].id if files else None, has_more=has_more)
 
 
 class BatchError(BaseModel):
+    """One reason a batch failed, pointing at a line and field where there is one."""
+
     code: str | None = None
     line: int | None = None
     message: str | None = None
@@ -74,25 +84,35 @@ class BatchError(BaseModel):
 
 
 class BatchErrors(BaseModel):
+    """A failed batch's reasons, as a list object."""
+
     object: Literal["list"] = "list"
     data: list[BatchError]
 
 
 class BatchRequestCounts(BaseModel):
+    """How many of a batch's requests there are, and how many succeeded or failed."""
+
     total: int
     completed: int
     failed: int
 
 
 class InputTokensDetails(BaseModel):
+    """The input tokens served from the prefix cache."""
+
     cached_tokens: int
 
 
 class OutputTokensDetails(BaseModel):
+    """Reasoning tokens: always 0 here, present because the client's type requires it."""
+
     reasoning_tokens: int
 
 
 class BatchUsage(BaseModel):
+    """The tokens a batch's succeeded requests used, as the client's `BatchUsage` declares them."""
+
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
@@ -105,6 +125,8 @@ _NO_USAGE = Tally(0, 0, 0, 0, 0, 0, 0).usage()
 
 
 class BatchObject(BaseModel):
+    """A batch as the client's `Batch` declares it, every field present."""
+
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
@@ -131,6 +153,7 @@ class BatchObject(BaseModel):
 
     @classmethod
     def of(cls, batch: BatchRecord, model: str) -> BatchObject:
+        """The API object of a stored batch, times in epoch seconds."""
         stamps = {name: _seconds(getattr(batch, name)) for name in (
             "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
             "expired_at", "cancelling_at", "cancelled_at")}
@@ -148,6 +171,8 @@ class BatchObject(BaseModel):
 
 
 class BatchList(BaseModel):
+    """A cursor page of batches, as the client's pager reads it."""
+
     object: Literal["list"] = "list"
     data: list[BatchObject]
     first_id: str | None
@@ -156,6 +181,7 @@ class BatchList(BaseModel):
 
     @classmethod
     def of(cls, batches: list[BatchObject], has_more: bool) -> BatchList:
+        """The page of these batches, its first and last IDs set for the pager."""
         return cls(data=batches, first_id=batches[0].id if batches else None,
                    last_id=batches[-1].id if batches else None, has_more=has_more)
 
@@ -172,6 +198,8 @@ class CreateBatch(BaseModel):
 
 
 class ModelObject(BaseModel):
+    """The served model, as the client's `Model` declares it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -179,11 +207,15 @@ class ModelObject(BaseModel):
 
 
 class ModelList(BaseModel):
+    """The list `/v1/models` answers."""
+
     object: Literal["list"] = "list"
     data: list[ModelObject]
 
 
 class Health(BaseModel):
+    """What `/health` answers while the server runs."""
+
     status: Literal["ok"] = "ok"
 
 

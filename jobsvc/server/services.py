@@ -25,6 +25,9 @@ from jobsvc.store import Store
 
 @dataclass
 class Services:
+    """Everything the routes and the batch driver share, opened once per server and closed with it,
+    so no request opens a pool of its own."""
+
     settings: Settings
     client: Client
     # The database of the files, the batches and the fleet's metrics.
@@ -43,6 +46,7 @@ class Services:
 
     @classmethod
     def open(cls, settings: Settings) -> Services:
+        """The services of a server run with `settings`; the driver is started apart."""
         client = Client(settings=settings)
         store = Store(settings.resolved_database_url)
         ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
@@ -55,18 +59,22 @@ class Services:
                    ingestor, fleet_registry(fleet.read), fleet_redis)
 
     def new_driver(self, only: str | None = None) -> BatchDriver:
+        """A batch driver on these services: of every batch, or of batch `only`."""
         return BatchDriver(self.settings, self.client, self.ingestor, self.store.engine,
                            only=only)
 
     def start_driver(self) -> None:
+        """Start the driver of every batch, for the server's life."""
         self.driver = self.new_driver()
         self.driver.start()
 
     def wake_driver(self) -> None:
+        """Have the driver take a round now, so a new or cancelled batch moves without waiting."""
         if self.driver is not None:
             self.driver.wake()
 
     def close(self) -> None:
+        """Stop the driver (handing its batches back), then close the connections."""
         if self.driver is not None:
             self.driver.stop()
         self.client.close()

@@ -17,6 +17,7 @@ _TIMESTAMP = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
+    """Create the four tables with their indexes."""
     op.create_table(
         "documents",
         sa.Column("key", sa.String(32), primary_key=True),
@@ -70,6 +71,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    """Drop the four tables, dependents first."""
     op.drop_table("batch_stats")
     op.drop_table("results")
     op.drop_table("jobs")

@@ -18,12 +18,14 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Add `attempts` (0 for jobs already recorded) and `redis_epoch` to jobs."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.add_column(sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"))
         jobs.add_column(sa.Column("redis_epoch", sa.String(32), nullable=True))
 
 
 def downgrade() -> None:
+    """Drop the two columns."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.drop_column("redis_epoch")
         jobs.drop_column("attempts")

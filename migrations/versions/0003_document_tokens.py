@@ -18,10 +18,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Add `tokens_zst` to documents, empty for those already recorded."""
     with op.batch_alter_table("documents") as documents:
         documents.add_column(sa.Column("tokens_zst", sa.LargeBinary(), nullable=True))
 
 
 def downgrade() -> None:
+    """Drop `tokens_zst`; workers tokenize every document's text again."""
     with op.batch_alter_table("documents") as documents:
         documents.drop_column("tokens_zst")

@@ -19,6 +19,7 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Create the trigger and its function on PostgreSQL; nothing on SQLite."""
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute("""
@@ -38,6 +39,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    """Drop the trigger and its function on PostgreSQL."""
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute("DROP TRIGGER jobs_notify_finished ON jobs")

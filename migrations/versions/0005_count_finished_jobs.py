@@ -1,11 +1,11 @@
 """Say in each finished-jobs notification how many jobs its statement finished.
 
-A producer waiting for a burst checked its jobs at every notification, about 19 times for
-256 jobs on one shard, each check costing the producer and the database a little of the
-engines' cores. With the count in the payload it can sum the notifications since its last
-check and check again only once they could cover every job it still waits for. The count
-is followed by a random UUID: PostgreSQL delivers identical payloads of one transaction only
-once, which would undercount two statements that finish as many jobs each.
+A producer waiting for a burst checked its jobs at every notification, many times per burst,
+each check costing the producer and the database a little of the engines' cores. With the
+count in the payload it can sum the notifications since its last check and check again only
+once they could cover every job it still waits for. The count is followed by a random UUID:
+PostgreSQL delivers identical payloads of one transaction only once, which would undercount
+two statements that finish as many jobs each.
 
 Revision ID: 0005
 Revises: 0004
@@ -37,12 +37,14 @@ def _notify(payload: str) -> str:
 
 
 def upgrade() -> None:
+    """Replace the trigger's function with one whose payload is the count and a UUID."""
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute(_notify("finished || ' ' || gen_random_uuid()"))
 
 
 def downgrade() -> None:
+    """Go back to the empty payload."""
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute(_notify("''"))

@@ -21,6 +21,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Add the four columns, drop `redis_epoch`, and give unfinished jobs a load and an enqueue time
+    so reconciliation can find them."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.add_column(sa.Column("question_tokens_zst", sa.LargeBinary(), nullable=True))
         jobs.add_column(sa.Column("load", sa.BigInteger(), nullable=False, server_default="0"))
@@ -34,6 +36,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    """Drop the four columns and bring `redis_epoch` back, empty."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.add_column(sa.Column("redis_epoch", sa.String(32), nullable=True))
         jobs.drop_column("enqueued_at")

@@ -23,6 +23,7 @@ _STAMP = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
+    """Add `jobs.idempotency_key` and create the tables of files, batches and their lines."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.add_column(sa.Column("idempotency_key", sa.String(128), nullable=True))
         jobs.create_index("ix_jobs_idempotency_key", ["idempotency_key"], unique=True)
@@ -75,6 +76,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    """Drop the batch API's tables and `jobs.idempotency_key`."""
     op.drop_table("batch_lines")
     op.drop_table("batches")
     op.drop_table("file_chunks")

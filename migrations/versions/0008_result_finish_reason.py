@@ -19,10 +19,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Add `results.finish_reason`, empty for results already written."""
     with op.batch_alter_table("results") as results:
         results.add_column(sa.Column("finish_reason", sa.String(16), nullable=True))
 
 
 def downgrade() -> None:
+    """Drop `results.finish_reason`; responses guess it from the token count again."""
     with op.batch_alter_table("results") as results:
         results.drop_column("finish_reason")

@@ -20,11 +20,13 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Add `jobs.isolation`, 0 for jobs already recorded."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.add_column(sa.Column("isolation", sa.SmallInteger(), nullable=False,
                                   server_default="0"))
 
 
 def downgrade() -> None:
+    """Drop `jobs.isolation`."""
     with op.batch_alter_table("jobs") as jobs:
         jobs.drop_column("isolation")

@@ -173,18 +173,20 @@ def test_garbage_multipart_is_a_400_naming_the_file(server: ServerProcess, body:
     assert reply.status == 400 and reply.error()["param"] == "file"
 
 
-@pytest.mark.parametrize(("target", "param"), [
-    ("/v1/files/file-" + quote("\x00"), "file_id"),
-    ("/v1/files/file-" + quote("\x00") + "/content", "file_id"),
-    ("/v1/batches/batch_" + quote("\x00"), "batch_id"),
-    ("/v1/files?after=" + quote("a\x00"), "after"),
-    ("/v1/files?purpose=" + quote("\x00"), "purpose"),
-    ("/v1/batches?after=" + quote("\x00"), "after"),
+@pytest.mark.parametrize(("method", "target", "param"), [
+    ("GET", "/v1/files/file-" + quote("\x00"), "file_id"),
+    ("GET", "/v1/files/file-" + quote("\x00") + "/content", "file_id"),
+    ("DELETE", "/v1/files/file-" + quote("\x00"), "file_id"),
+    ("GET", "/v1/batches/batch_" + quote("\x00"), "batch_id"),
+    ("POST", "/v1/batches/batch_" + quote("\x00") + "/cancel", "batch_id"),
+    ("GET", "/v1/files?after=" + quote("a\x00"), "after"),
+    ("GET", "/v1/files?purpose=" + quote("\x00"), "purpose"),
+    ("GET", "/v1/batches?after=" + quote("\x00"), "after"),
 ])
 def test_a_nul_in_a_parameter_is_a_400_naming_it_and_the_connection_lives_on(
-        server: ServerProcess, target: str, param: str) -> None:
+        server: ServerProcess, method: str, target: str, param: str) -> None:
     with connect(server.port) as connection:
-        connection.sendall(head("GET", target))
+        connection.sendall(head(method, target))
         refused = read_reply(connection)
         assert refused.status == 400 and refused.error()["param"] == param
         connection.sendall(head("GET", "/v1/models"))

@@ -59,7 +59,7 @@ def file_content(request: Request, file_id: RequestText) -> StreamingResponse:
 
 
 @router.delete("/{file_id}")
-def delete_file(request: Request, file_id: str) -> FileDeleted:
+def delete_file(request: Request, file_id: RequestText) -> FileDeleted:
     """Delete a file, unless an unfinished batch still reads it (409)."""
     services = services_of(request)
     # An unfinished batch still reads its input file: deleted, its unread lines could never

@@ -10,13 +10,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from jobsvc.batchapi.batchstore import COMPLETION_WINDOW, UNFINISHED, BatchRecord, BatchStore
 from jobsvc.batchapi.driver import BatchDriver, file_line
 from jobsvc.batchapi.filestore import CHUNK_BYTES
 from jobsvc.batchapi.lines import ENDPOINTS, split_lines
-from jobsvc.batchapi.responses import jsonl
+from jobsvc.batchapi.output_lines import jsonl, vllm_line
 from jobsvc.console import ProgressBar
 from jobsvc.errors import JobsvcError
 from jobsvc.server.services import Services
@@ -42,24 +42,6 @@ def endpoint_of(path: Path) -> str:
                                      f"{', '.join(ENDPOINTS)}, got {url!r}")
             return str(url)
     raise BatchFileError(f"{path} holds no requests")
-
-
-def to_vllm_line(line: dict[str, Any]) -> dict[str, Any]:
-    """An output or error file's line as `vllm run-batch` writes it: errors carry their
-    status in the response and vLLM's error object beside it."""
-    response = line["response"]
-    suffix = line["id"].removeprefix("batch_req_")
-    if response is not None and response["status_code"] == 200:
-        return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"],
-                "response": {**response, "request_id": f"vllm-batch-{suffix}"}, "error": None}
-    if response is None:
-        return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"], "response": None,
-                "error": {"error": {**line["error"], "type": "BatchError", "param": None}}}
-    error = response["body"]["error"]
-    return {"id": f"vllm-{suffix}", "custom_id": line["custom_id"],
-            "response": {"status_code": response["status_code"],
-                         "request_id": f"vllm-batch-{suffix}", "body": None},
-            "error": {"error": {**error, "code": response["status_code"]}}}
 
 
 class _Progress:
@@ -132,4 +114,5 @@ def _write_output(batches: BatchStore, batch: BatchRecord, model: str,
     with output_path.open("wb") as output:
         for rows in batches.output_pages(batch.id):
             for row in rows:
-                output.write(jsonl(to_vllm_line(file_line(batch, ending, model, row)[1])))
+                line = file_line(batch.id, ending, row)[1]
+                output.write(jsonl(vllm_line(line, endpoint=batch.endpoint, model=model)))

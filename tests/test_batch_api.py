@@ -19,9 +19,9 @@ from openai.types import Batch
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
+from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.lines import RequestLine
-from jobsvc.batchapi.rendering import ChatTemplate
 from jobsvc.client import Client
 from jobsvc.keys import queue_name
 from jobsvc.local import LocalWorkers

@@ -1,16 +1,30 @@
 """Batch files as the Batch API reads them: lines cut from chunks, the structure that fails
 a whole file, the content that fails one line, the cut into shared prefix + own suffix, and
-the shapes of output lines."""
+the shapes of output lines, OpenAI's and `vllm run-batch`'s."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
+from jobsvc.batchapi.batchstore import OutputRow
+from jobsvc.batchapi.chat_template import ChatTemplate, split_prompt
+from jobsvc.batchapi.driver import file_line
 from jobsvc.batchapi.lines import MAX_LINES, FileCheck, split_lines
-from jobsvc.batchapi.rendering import ChatTemplate, split_prompt
+from jobsvc.batchapi.output_lines import (
+    Answer,
+    FinishedLine,
+    Refused,
+    ended_error,
+    jsonl,
+    openai_line,
+    response_body,
+    vllm_line,
+)
 from jobsvc.batchapi.requests import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -19,8 +33,6 @@ from jobsvc.batchapi.requests import (
     LineError,
     parse_request,
 )
-from jobsvc.batchapi.responses import Answer, response_body
-from jobsvc.runbatch import to_vllm_line
 from jobsvc.settings import TINY_MODEL
 
 pytestmark = pytest.mark.unit
@@ -152,12 +164,108 @@ def test_response_bodies_carry_usage_with_cached_tokens_and_a_finish_reason() ->
 
 
 def test_run_batch_lines_take_vllms_shape() -> None:
-    ok = to_vllm_line({"id": "batch_req_j", "custom_id": "a", "error": None, "response": {
-        "status_code": 200, "request_id": "req_j", "body": {"object": "chat.completion"}}})
-    assert ok["id"] == "vllm-j" and ok["response"]["body"] == {"object": "chat.completion"}
-    bad = to_vllm_line({"id": "batch_req_k", "custom_id": "b", "error": None, "response": {
-        "status_code": 400, "request_id": "req_k", "body": {"error": {
-            "message": "m", "type": "invalid_request_error", "param": "n", "code": "x"}}}})
+    answer = Answer("j", "hi", prompt_tokens=1, completion_tokens=1, cached_tokens=0,
+                    max_tokens=4, created=1)
+    ok = vllm_line(FinishedLine("j", "a", answer), endpoint=CHAT_ENDPOINT, model="jobsvc")
+    assert ok["id"] == "vllm-j"
+    assert ok["response"]["body"] == response_body(CHAT_ENDPOINT, answer, "jobsvc")
+    bad = vllm_line(FinishedLine("k", "b", Refused(400, {
+        "message": "m", "type": "invalid_request_error", "param": "n", "code": "x"})),
+        endpoint=CHAT_ENDPOINT, model="jobsvc")
     assert bad["response"] == {"status_code": 400, "request_id": "vllm-batch-k", "body": None}
     assert bad["error"] == {"error": {"message": "m", "type": "invalid_request_error",
                                       "param": "n", "code": 400}}
+
+
+_FINISHED_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+_CREATED = 1767323045
+
+
+def _row(line: int, custom_id: str, job_id: str | None = None, *, status: str | None = None,
+         error: dict[str, Any] | None = None, job_error: str | None = None,
+         answer: str | None = None, completion_tokens: int | None = None,
+         finish_reason: str | None = None) -> OutputRow:
+    """A line as the batch store gives it: 12 prompt tokens, 8 of them cached, 5 allowed."""
+    ran = status in ("succeeded", "failed")
+    return OutputRow(line, custom_id, job_id, error, status, job_error,
+                     12 if job_id else None, 5 if job_id else 0,
+                     _FINISHED_AT if ran else None, answer, completion_tokens,
+                     8 if answer is not None else None, finish_reason)
+
+
+def _usage(completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 12, "completion_tokens": completion_tokens,
+            "total_tokens": 12 + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+_CHAT_BODY = {"id": "chatcmpl-j1", "object": "chat.completion", "created": _CREATED,
+              "model": "jobsvc", "choices": [{
+                  "index": 0, "message": {"role": "assistant", "content": 'héllo ✓ "q"'},
+                  "finish_reason": "stop", "logprobs": None}],
+              "usage": _usage(3)}
+_TEXT_BODY = {"id": "cmpl-j2", "object": "text_completion", "created": _CREATED,
+              "model": "jobsvc", "choices": [{"index": 0, "text": "five",
+                                              "finish_reason": "length", "logprobs": None}],
+              "usage": _usage(5)}
+_REFUSAL = {"message": "max_tokens must be at least 1", "type": "invalid_request_error",
+            "param": "max_tokens", "code": "invalid_value"}
+# A line without a job is named by a hash of its batch and line number.
+_UNNAMED = "8978b9e27d4d04748932e1cb"
+_CANCELLED = ended_error("cancelled")
+
+# endpoint, the batch's ending, the row, its file, its OpenAI line, its `vllm run-batch` line
+_RENDERED: list[tuple[str, str, OutputRow, str, dict[str, Any], dict[str, Any]]] = [
+    (CHAT_ENDPOINT, "expired",
+     _row(1, "a", "j1", status="succeeded", answer='héllo ✓ "q"', completion_tokens=3,
+          finish_reason="stop"), "output",
+     {"id": "batch_req_j1", "custom_id": "a", "response": {
+         "status_code": 200, "request_id": "req_j1", "body": _CHAT_BODY}, "error": None},
+     {"id": "vllm-j1", "custom_id": "a", "response": {
+         "status_code": 200, "request_id": "vllm-batch-j1", "body": _CHAT_BODY}, "error": None}),
+    (COMPLETIONS_ENDPOINT, "expired",
+     _row(2, "b", "j2", status="succeeded", answer="five", completion_tokens=5), "output",
+     {"id": "batch_req_j2", "custom_id": "b", "response": {
+         "status_code": 200, "request_id": "req_j2", "body": _TEXT_BODY}, "error": None},
+     {"id": "vllm-j2", "custom_id": "b", "response": {
+         "status_code": 200, "request_id": "vllm-batch-j2", "body": _TEXT_BODY}, "error": None}),
+    (CHAT_ENDPOINT, "expired",
+     _row(3, "c", "j3", status="failed", job_error="the engine died"), "error",
+     {"id": "batch_req_j3", "custom_id": "c", "response": {
+         "status_code": 500, "request_id": "req_j3", "body": {"error": {
+             "message": "the engine died", "type": "server_error", "param": None,
+             "code": "job_failed"}}}, "error": None},
+     {"id": "vllm-j3", "custom_id": "c", "response": {
+         "status_code": 500, "request_id": "vllm-batch-j3", "body": None},
+      "error": {"error": {"message": "the engine died", "type": "server_error",
+                          "param": None, "code": 500}}}),
+    (CHAT_ENDPOINT, "expired",
+     _row(5, "e", error={"status_code": 400, "error": _REFUSAL}), "error",
+     {"id": f"batch_req_{_UNNAMED}", "custom_id": "e", "response": {
+         "status_code": 400, "request_id": f"req_{_UNNAMED}", "body": {"error": _REFUSAL}},
+      "error": None},
+     {"id": f"vllm-{_UNNAMED}", "custom_id": "e", "response": {
+         "status_code": 400, "request_id": f"vllm-batch-{_UNNAMED}", "body": None},
+      "error": {"error": {**_REFUSAL, "code": 400}}}),
+    (COMPLETIONS_ENDPOINT, "cancelled", _row(8, "h", "j8", status="queued"), "error",
+     {"id": "batch_req_j8", "custom_id": "h", "response": None, "error": _CANCELLED},
+     {"id": "vllm-j8", "custom_id": "h", "response": None,
+      "error": {"error": {**_CANCELLED, "type": "BatchError", "param": None}}}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "ending", "row", "file", "openai", "vllm"), _RENDERED,
+                         ids=["answered chat", "answered completion at its limit",
+                              "job failed", "refused at ingest", "unrun at a cancel"])
+def test_a_finished_row_renders_to_the_same_openai_and_vllm_lines_byte_for_byte(
+        endpoint: str, ending: str, row: OutputRow, file: str, openai: dict[str, Any],
+        vllm: dict[str, Any]) -> None:
+    kind, line = file_line("batch_1", ending, row)
+    assert kind == file
+
+    def exact(expected: dict[str, Any]) -> bytes:
+        # Key order, compact separators and unescaped text are part of the bytes.
+        return json.dumps(expected, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+    assert jsonl(openai_line(line, endpoint=endpoint, model="jobsvc")) == exact(openai)
+    assert jsonl(vllm_line(line, endpoint=endpoint, model="jobsvc")) == exact(vllm)

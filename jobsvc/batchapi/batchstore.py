@@ -20,6 +20,7 @@ from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
+from jobsvc import compression
 from jobsvc.batchapi.ingest import LineOutcome
 from jobsvc.batchapi.listing import page_rows
 from jobsvc.batchapi.tables import BatchLine, BatchRow
@@ -116,9 +117,11 @@ class OutputRow:
     status: str | None
     job_error: str | None
     prompt_tokens: int | None
-    sampling: dict[str, Any] | None
+    # The job's token limit (0 for a line without a job).
+    max_tokens: int
     finished_at: datetime | None
-    answer_zst: bytes | None
+    # The answer's text, once the job has a result.
+    answer: str | None
     completion_tokens: int | None
     cached_tokens: int | None
     finish_reason: str | None
@@ -290,8 +293,16 @@ class BatchStore:
             .where(BatchLine.batch_id == batch_id, BatchLine.line > after_line)
             .order_by(BatchLine.line).limit(limit))
         with self._engine.connect() as connection:
-            return [OutputRow(*row) for row in connection.execute(query)]
+            return [OutputRow(
+                row.line, row.custom_id, row.job_id, row.error, row.status, row.job_error,
+                row.prompt_tokens, int((row.sampling or {}).get("max_tokens", 0)),
+                row.finished_at, _answer_text(row.answer_zst), row.completion_tokens,
+                row.cached_tokens, row.finish_reason) for row in connection.execute(query)]
 
 
 def _count(condition: Any) -> Any:
     return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
+
+
+def _answer_text(frame: bytes | None) -> str | None:
+    return None if frame is None else compression.decompress(frame).decode()

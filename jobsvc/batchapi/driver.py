@@ -27,7 +27,6 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from jobsvc import compression
 from jobsvc.batchapi.batchstore import (
     BatchChanged,
     BatchRecord,
@@ -47,13 +46,16 @@ from jobsvc.batchapi.lines import (
     parse_line,
     split_lines,
 )
-from jobsvc.batchapi.responses import (
+from jobsvc.batchapi.output_lines import (
     Answer,
+    Failed,
+    FinishedLine,
+    Outcome,
+    Refused,
+    Unrun,
     ended_error,
     jsonl,
-    output_line,
-    response_body,
-    server_error,
+    openai_line,
 )
 from jobsvc.client import Client
 from jobsvc.errors import BROKER_ERRORS, BrokerUnavailable, StorageUnavailable
@@ -294,41 +296,40 @@ class BatchDriver:
         each line in input order; a file with no line is not made."""
         files = {kind: _LazyFile(self._files, connection, f"{batch.id}_{kind}.jsonl")
                  for kind in ("output", "error")}
+        model = self._settings.served_model_name
         for rows in self._batches.output_pages(batch.id):
             for row in rows:
-                kind, line = file_line(batch, ending, self._settings.served_model_name, row)
-                files[kind].write(jsonl(line))
+                kind, line = file_line(batch.id, ending, row)
+                files[kind].write(jsonl(openai_line(line, endpoint=batch.endpoint,
+                                                    model=model)))
             # A lease renewed on its own connection: this transaction has not touched the
             # batch's row yet, so it holds no lock the renewal would wait for.
             self._advance(batch)
         return files["output"].close(), files["error"].close()
 
 
-def file_line(batch: BatchRecord, ending: str, model: str, row: OutputRow
-              ) -> tuple[str, dict[str, Any]]:
-    """Which file a line goes to ("output" or "error") and the line itself."""
-    suffix = row.job_id or _line_id(batch.id, row.line)
-    line_id, request_id = f"batch_req_{suffix}", f"req_{suffix}"
+def file_line(batch_id: str, ending: str, row: OutputRow) -> tuple[str, FinishedLine]:
+    """Which file a line goes to ("output" or "error"), and what came of its request, for
+    `output_lines` to shape."""
+    outcome = _outcome(ending, row)
+    line = FinishedLine(row.job_id or _line_id(batch_id, row.line), row.custom_id, outcome)
+    return ("output" if isinstance(outcome, Answer) else "error"), line
+
+
+def _outcome(ending: str, row: OutputRow) -> Outcome:
+    """What came of a line's request: refused at ingest (as stored then), answered, failed,
+    or stopped unrun by the batch's end `ending`."""
     if row.error is not None:
         if row.error["status_code"] is None:
-            return "error", output_line(line_id, row.custom_id, error=row.error["error"])
-        return "error", output_line(line_id, row.custom_id,
-                                    status_code=row.error["status_code"],
-                                    request_id=request_id, body={"error": row.error["error"]})
-    if row.status == JobStatus.SUCCEEDED.value and row.answer_zst is not None:
-        answer = Answer(
-            row.job_id or "", compression.decompress(row.answer_zst).decode(),
-            row.prompt_tokens or 0, row.completion_tokens or 0, row.cached_tokens or 0,
-            int((row.sampling or {}).get("max_tokens", 0)), _seconds(row.finished_at),
-            row.finish_reason)
-        return "output", output_line(line_id, row.custom_id, status_code=200,
-                                     request_id=request_id,
-                                     body=response_body(batch.endpoint, answer, model))
+            return Unrun(row.error["error"])
+        return Refused(row.error["status_code"], row.error["error"])
+    if row.status == JobStatus.SUCCEEDED.value and row.answer is not None:
+        return Answer(row.job_id or "", row.answer, row.prompt_tokens or 0,
+                      row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
+                      _seconds(row.finished_at), row.finish_reason)
     if row.status == JobStatus.FAILED.value:
-        return "error", output_line(line_id, row.custom_id, status_code=500,
-                                    request_id=request_id,
-                                    body=server_error(row.job_error or "the job failed"))
-    return "error", output_line(line_id, row.custom_id, error=ended_error(ending))
+        return Failed(row.job_error or "the job failed")
+    return Unrun(ended_error(ending))
 
 
 def _expired(batch: BatchRecord) -> bool:

@@ -1,5 +1,5 @@
 """A slice of a batch file's request lines, made jobs: each line checked and cut into shared
-prefix + own suffix (`rendering`), each distinct prefix tokenized once, prompt lengths checked,
+prefix + own suffix (`chat_template`), each distinct prefix tokenized once, prompt lengths checked,
 and the slice submitted through `Client.submit_prepared` under idempotency keys made from the
 batch and the line's custom_id, so a slice submitted again (a server that stopped before it
 recorded its progress) gets the jobs it made the first time."""
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobsvc.batchapi.chat_template import ChatTemplate, SplitPrompt, split_prompt
 from jobsvc.batchapi.lines import RequestLine
-from jobsvc.batchapi.rendering import ChatTemplate, SplitPrompt, split_prompt
 from jobsvc.batchapi.requests import (
     CHAT_ENDPOINT,
     ChatRequest,

@@ -11,10 +11,10 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry
 
 from jobsvc.batchapi.batchstore import BatchStore
+from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.driver import BatchDriver
 from jobsvc.batchapi.filestore import FileStore
 from jobsvc.batchapi.ingest import Ingestor
-from jobsvc.batchapi.rendering import ChatTemplate
 from jobsvc.client import Client
 from jobsvc.fleet import FleetReader
 from jobsvc.metrics import fleet_registry

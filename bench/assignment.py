@@ -6,7 +6,7 @@ the host's speed favours no value. Prints JSON: each value's jobs and planned wo
 every burst's rate and shard finish spread, and each value's median rate and median per-round
 ratio to the first value's.
 
-    python -m bench.assignment --workload ops/workloads/uneven.jsonl --shards 2 \
+    python -m jobsvc.bench.assignment --workload ops/workloads/uneven.jsonl --shards 2 \
         --setting decode_cost --values 0,8 --rounds 10
 """
 
@@ -19,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.run import Bench, BenchOptions, bench_jobs, trial_shape
+from jobsvc.bench.run import Bench, BenchOptions, bench_jobs, trial_shape
+
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState
@@ -105,7 +106,7 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
 
 
 def main() -> None:
-    """`python -m bench.assignment`: the result as JSON on standard output (and in `--json`)."""
+    """`python -m jobsvc.bench.assignment`: the result as JSON on stdout (and in `--json`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="ops/workloads/uneven.jsonl")
     parser.add_argument("--shards", type=int, default=2)

@@ -5,7 +5,7 @@ A pause is wall time with the GIL held. On a host whose cores the engine keeps b
 may preempt the collecting thread, which lengthens the pause without any more collecting;
 the CPU time the collection itself took is reported beside it to tell the two apart. Pauses
 while the worker has no batch in flight stall no work (workers leave their collections for
-those moments, see `workers.collector`), so they are kept apart from the others."""
+those moments, see `jobsvc.workers.collector`), so they are kept apart from the others."""
 
 from __future__ import annotations
 

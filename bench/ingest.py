@@ -1,7 +1,7 @@
 """Ingest of the Batch API: how fast `jobsvc serve` takes a batch file from upload to every
 request enqueued, and how much memory its process needs for it.
 
-    python -m bench.ingest [--lines 50000] [--questions 4] [--words 300] [--json PATH]
+    python -m jobsvc.bench.ingest [--lines 50000] [--questions 4] [--words 300] [--json PATH]
 
 It writes a chat batch file whose lines ask several questions of each document (the
 document in a system message, as files built for prefix caching do), starts `jobsvc serve`
@@ -115,7 +115,8 @@ def _wait_ingested(batches: BatchStore, batch_id: str) -> BatchRecord:
 
 
 def main() -> None:
-    """`python -m bench.ingest`: write a batch file, time its ingest, print the result as JSON."""
+    """`python -m jobsvc.bench.ingest`: write a batch file, time its ingest, print the result
+    as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=50_000)
     parser.add_argument("--questions", type=int, default=4, help="questions per document")

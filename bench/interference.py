@@ -9,8 +9,8 @@ the engine's cores: 1 if the co-runner only took its own share, more if every co
 preempts holds up the engine's other threads too (OpenMP's threads meet at a barrier in every
 layer, so a step waits for the slowest). Prints JSON.
 
-    python -m bench.interference --pairs 8 --slice-ms 2 --period-ms 10
-    python -m bench.interference --pairs 8 --slice-ms 2 --period-ms 10 --touch-mib 32
+    python -m jobsvc.bench.interference --pairs 8 --slice-ms 2 --period-ms 10
+    python -m jobsvc.bench.interference --pairs 8 --slice-ms 2 --period-ms 10 --touch-mib 32
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy
 import psutil
+from jobsvc.bench.run import BenchOptions, bench_jobs, shard_devices
+from jobsvc.bench.standalone import Job, StandaloneEngines, as_job
 
-from bench.run import BenchOptions, bench_jobs, shard_devices
-from bench.standalone import Job, StandaloneEngines, as_job
 from jobsvc.settings import Settings
 
 # A touching co-runner writes one byte per cache line, this many bytes of its buffer at a time
@@ -81,7 +81,8 @@ def _cpu(process: Any) -> float:
 
 
 def main() -> None:
-    """`python -m bench.interference`: bursts alone and beside the co-runner, in pairs, as JSON."""
+    """`python -m jobsvc.bench.interference`: bursts alone and beside the co-runner, in pairs,
+    as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--slice-ms", type=float, default=2.0)

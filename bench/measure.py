@@ -191,7 +191,7 @@ class ArmResult:
     # ran: on a host whose cores the engine keeps busy, what other processes' CPU cost it.
     runner_wait_seconds: float = 0.0
     # The engines' scheduler steps in the arm's burst and the tokens those steps computed
-    # (`bench.probes.engine_step_totals`); None where they could not be read.
+    # (`jobsvc.bench.probes.engine_step_totals`); None where they could not be read.
     engine_steps: float | None = None
     engine_step_tokens: float | None = None
     # `shard_finish_spread_seconds` of the arm's burst; None where it could not be read.

@@ -2,7 +2,7 @@
 as one table on standard output (JSON lines) and one PNG: measured prefix-cache hit rate
 against the ideal, and the service's median throughput, per workload and policy.
 
-    python -m bench.plot_routing bench-out/routing
+    python -m jobsvc.bench.plot_routing bench-out/routing
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ bench added them), each row's pooled pairs, and all pairs pooled per kind of run
 how often a run of `--pairs-per-run` pairs drawn from them would clear the median and min
 bars (drawn from A/A pairs: the most any service could expect of the host).
 
-    python -m bench.pool bench-out/*.json
+    python -m jobsvc.bench.pool bench-out/*.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.measure import chance_to_clear, parity_checks, ratio_summary
+from jobsvc.bench.measure import chance_to_clear, parity_checks, ratio_summary
 
 # What pooling reads from a report; other JSON with pairs (the interference script's) lacks it.
 REPORT_KEYS = ("workload", "shards", "median_ratio", "min_ratio", "cpu_ratio", "pairs")
@@ -69,8 +69,8 @@ def pool(reports: dict[str, dict[str, Any]],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.pool`: pool the reports' pairs per row and print them, with each run's
-    parity checks, as JSON."""
+    """`python -m jobsvc.bench.pool`: pool the reports' pairs per row and print them, with each
+    run's parity checks, as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="JSON written by jobsvc bench")
     parser.add_argument("--pairs-per-run", type=int, default=PAIRS_PER_RUN,

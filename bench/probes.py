@@ -1,5 +1,5 @@
 """The benchmark's probes in a service worker, attached through the worker's hooks
-(`JOBSVC_WORKER_HOOKS=bench.probes:attach`, which `jobsvc bench` sets on the workers it
+(`JOBSVC_WORKER_HOOKS=jobsvc.bench.probes:attach`, which `jobsvc bench` sets on the workers it
 starts): a GC pause meter, the moment each burst's first batch went to the engine, and
 remote-control commands (`app.control.broadcast(name, reply=True)`) that read them, reset the
 prefix cache, read the engine's step counters, change the admission pacing, and drive the
@@ -16,16 +16,15 @@ from typing import Any
 
 import prometheus_client
 from celery.worker.control import control_command
-
-from bench.gcpause import GcPauseMeter
-from bench.standalone import run_burst
-from workers.engine import Pacing
-from workers.hooks import WorkerContext, WorkerHooks
+from jobsvc.bench.gcpause import GcPauseMeter
+from jobsvc.bench.standalone import run_burst
+from jobsvc.workers.engine import Pacing
+from jobsvc.workers.hooks import WorkerContext, WorkerHooks
 
 log = logging.getLogger(__name__)
 
 # The factory a worker's JOBSVC_WORKER_HOOKS names to attach these probes.
-HOOKS_PATH = "bench.probes:attach"
+HOOKS_PATH = "jobsvc.bench.probes:attach"
 COMMANDS = ("reset_prefix_cache", "take_gc_pauses", "engine_steps", "take_first_admission",
             "set_admission_pacing", "run_standalone_burst")
 # vLLM observes every scheduler step's token count in this histogram, once per engine.
@@ -156,6 +155,6 @@ def _register_commands(probes: BenchProbes) -> None:
     def run_standalone_burst(_state: Any, jobs_by_shard: list[list[list[Any]]],
                              mode: str) -> dict[str, Any]:
         """This shard's share of a standalone burst, staggered (if so) as
-        `bench.standalone.staggered_pacing` says. The consumer waits meanwhile, so no batch
+        `jobsvc.bench.standalone.staggered_pacing` says. The consumer waits meanwhile, so no batch
         runs beside the burst."""
         return probes.run_standalone_burst(jobs_by_shard[probes.worker.shard], mode)

@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
-
-from bench.measure import (
+from jobsvc.bench.measure import (
     ENGINE_ROLE,
     ProcessKey,
     busy_seconds,

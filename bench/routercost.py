@@ -3,7 +3,7 @@ the producer's CPU and the Redis server's, per policy, measured on a private Red
 nothing else is counted. The fleet is made of live heartbeats (no engines): routing needs only
 what workers write to Redis.
 
-Run: `python -m bench.routercost [--shards 64] [--submits 500]`; prints JSON."""
+Run: `python -m jobsvc.bench.routercost [--shards 64] [--submits 500]`; prints JSON."""
 
 from __future__ import annotations
 
@@ -124,8 +124,9 @@ class _Counted:
 
 
 def main() -> None:
-    """`python -m bench.routercost`: the cost of each policy asked for (all by default), as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m bench.routercost", description=__doc__)
+    """`python -m jobsvc.bench.routercost`: the cost of each policy asked for (all by default),
+    as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m jobsvc.bench.routercost", description=__doc__)
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--submits", type=int, default=500)
     parser.add_argument("--policy", choices=POLICY_NAMES, action="append")

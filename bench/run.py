@@ -23,8 +23,7 @@ from typing import Any
 
 import psutil
 import redis
-
-from bench.measure import (
+from jobsvc.bench.measure import (
     DISTURBED_SHARE,
     ArmResult,
     Pair,
@@ -38,8 +37,8 @@ from bench.measure import (
     shard_finish_spread_seconds,
     summarize_pairs,
 )
-from bench.probes import HOOKS_PATH
-from bench.processes import (
+from jobsvc.bench.probes import HOOKS_PATH
+from jobsvc.bench.processes import (
     FOREIGN_CPU,
     MACHINE_CPU,
     RUNNER_WAIT,
@@ -49,7 +48,8 @@ from bench.processes import (
     server_processes,
     with_roles,
 )
-from bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
+from jobsvc.bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
+
 from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers
@@ -137,7 +137,7 @@ class BenchOptions:
     # what paced admission gains or costs. Each slot of a pair submits documents of its own,
     # so that neither finds the other's already stored.
     compare_admission: bool = False
-    # The standalone arm's admission style (`bench.standalone.ADMISSION_MODES`), fixed for
+    # The standalone arm's admission style (`jobsvc.bench.standalone.ADMISSION_MODES`), fixed for
     # the run; None calibrates between the styles and keeps the faster. A fixed style lets
     # two runs, one per style, measure the service against each with the same workload.
     standalone_admission: str | None = None

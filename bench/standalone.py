@@ -17,14 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobsvc.workers.bootstrap import bind_device, kept_to_device
+from jobsvc.workers.collector import CollectionWindow
+from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
+
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
-from workers.bootstrap import bind_device, kept_to_device
-from workers.collector import CollectionWindow
-from workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
 
 # "all": every request at once; "staggered": paced as the service's workers pace a batch
-# where they pace it (`workers.engine.Pacing`, from JOBSVC_ADMISSION_CHUNK and
+# where they pace it (`jobsvc.workers.engine.Pacing`, from JOBSVC_ADMISSION_CHUNK and
 # JOBSVC_ADMISSION_PAUSE_MS), and otherwise with STAGGERED_PACING. Either way each document's
 # questions are made adjacent first, as the service's batches make them: handed over
 # interleaved, a reused document's later questions reach the engine far from its first, and
@@ -161,7 +162,7 @@ def _tokenize(prompts: PromptBuilder, jobs: Sequence[Job]
               ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Each job's prompt as its document's tokens (one tuple per document) and its question's,
     joined only as the engine takes the request, as the service's workers hand them over (see
-    `workers.engine.EngineRequest`)."""
+    `jobsvc.workers.engine.EngineRequest`)."""
     distinct = list(dict.fromkeys(job[0] for job in jobs))
     documents = {text: tuple(tokens)
                  for text, tokens in zip(distinct, prompts.documents(distinct), strict=True)}

@@ -25,7 +25,7 @@ def _migrate(settings: Settings, _args: argparse.Namespace) -> None:
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> None:
-    from workers.bootstrap import run_worker
+    from jobsvc.workers.bootstrap import run_worker
 
     if args.shard < 0:
         raise SystemExit(f"--shard must be 0 or more, got {args.shard}")
@@ -39,7 +39,7 @@ def _demo(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> None:
-    from bench.run import BenchOptions, run_bench
+    from jobsvc.bench.run import BenchOptions, run_bench
 
     # Standard output is for the JSON result; the in-process engines log to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

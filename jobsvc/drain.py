@@ -1,7 +1,7 @@
 """`jobsvc drain --shard N`: take a shard out of service with nothing lost and nothing run
 twice. The command flags the shard draining in Redis (routers leave it out from then on) and
 waits for its worker to finish: the worker stops taking messages, lets its running batches
-end, moves its queued jobs to live shards and exits with code 0 (`workers.drain`). A shard
+end, moves its queued jobs to live shards and exits with code 0 (`jobsvc.workers.drain`). A shard
 whose worker is not alive has its queued jobs moved by the command itself."""
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class LocalWorkers:
                 command += ["--device", device]
             with self.log_path(shard).open("wb") as log:
                 # A session of its own, whose CPU priority the worker may lower
-                # (`workers.bootstrap.yield_to_helpers`) without lowering its caller's.
+                # (`jobsvc.workers.bootstrap.yield_to_helpers`) without lowering its caller's.
                 self.processes.append(subprocess.Popen(
                     command, env=env, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True))

@@ -1,7 +1,7 @@
 """The fleet's metrics for Prometheus, as the server's /metrics serves them: read at each scrape
 (a collector, not counters kept up to date), so they hold for every listed shard whether or
 not its worker is up. Each worker serves its own engine's and batches' metrics
-(`workers.metrics`).
+(`jobsvc.workers.metrics`).
 
 Families: `jobsvc_queue_messages{queue,shard}`, `jobsvc_jobs{status,shard}` (queued and
 running), `jobsvc_shard_outstanding_load{shard}`, `jobsvc_worker_healthy{shard}` and, where the

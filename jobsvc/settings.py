@@ -77,7 +77,7 @@ class Settings:
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = True
-    # Instruments a worker attaches (`workers.hooks`): `module:factory`, imported when the
+    # Instruments a worker attaches (`jobsvc.workers.hooks`): `module:factory`, imported when the
     # worker starts. Empty: none. `jobsvc bench` names its probes for the workers it starts.
     worker_hooks: str = ""
     # Seconds before a crashed worker's unacknowledged batches are delivered again. Live

@@ -99,7 +99,7 @@ class Job(Base):
     # Deliveries to a worker so far; a job that keeps killing its worker is given up.
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     # How far a suspect's group has been halved: each time the engine dies under its group,
-    # the job runs next in groups of at most half as many (workers.isolation).
+    # the job runs next in groups of at most half as many (jobsvc.workers.isolation).
     isolation: Mapped[int] = mapped_column(SmallInteger, server_default="0")
     # The question's tokens as the producer made them (compression.pack_tokens); none on jobs
     # recorded before they were stored, whose question workers tokenize instead.

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
 
-if .venv/bin/python -c 'import sys; from workers.bootstrap import is_cpu_build; sys.exit(not is_cpu_build())'; then
+if .venv/bin/python -c 'import sys; from jobsvc.workers.bootstrap import is_cpu_build; sys.exit(not is_cpu_build())'; then
   echo "this environment has the CPU build of vLLM; run: bash ops/setup.sh gpu" >&2
   exit 1
 fi

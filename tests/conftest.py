@@ -14,9 +14,9 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from jobsvc.bench.probes import HOOKS_PATH
 from xdist.scheduler import LoadScopeScheduling
 
-from bench.probes import HOOKS_PATH
 from jobsvc import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head

@@ -9,8 +9,7 @@ import signal
 from collections.abc import Sequence
 
 import psutil
-
-from workers.hooks import WorkerHooks
+from jobsvc.workers.hooks import WorkerHooks
 
 KILLER_PREFIX = "dead"
 

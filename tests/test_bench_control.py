@@ -12,12 +12,18 @@ from typing import Any
 
 import prometheus_client
 import pytest
+from jobsvc.bench.gcpause import GcPauseMeter
+from jobsvc.bench.probes import (
+    COMMANDS,
+    HOOKS_PATH,
+    STEP_HISTOGRAM,
+    BenchProbes,
+    engine_step_totals,
+)
+from jobsvc.workers.collector import CollectionWindow
+from jobsvc.workers.hooks import WorkerContext
 
-from bench.gcpause import GcPauseMeter
-from bench.probes import COMMANDS, HOOKS_PATH, STEP_HISTOGRAM, BenchProbes, engine_step_totals
 from jobsvc.settings import Settings
-from workers.collector import CollectionWindow
-from workers.hooks import WorkerContext
 
 pytestmark = pytest.mark.bench
 
@@ -29,7 +35,7 @@ import gc, json, sys
 from celery import signals
 from celery.worker.control import Panel
 from jobsvc.settings import Settings
-from workers.celery_app import create_worker_app
+from jobsvc.workers.celery_app import create_worker_app
 create_worker_app(Settings.from_env({}, redis_url=sys.argv[1], database_url=sys.argv[2],
                                     worker_hooks=sys.argv[3]), 0)
 callbacks = len(gc.callbacks)

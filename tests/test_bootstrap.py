@@ -8,16 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobsvc.workers.bootstrap import autogroups_enabled, cpu_cores
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.settings import Settings
-from workers.bootstrap import autogroups_enabled, cpu_cores
 
 pytestmark = pytest.mark.integration
 
 _REPORT_AFFINITIES = """
 import multiprocessing, os, sys, threading
-from workers.bootstrap import keep_to_device, kept_to_device
+from jobsvc.workers.bootstrap import keep_to_device, kept_to_device
 
 def child(queue):
     queue.put(sorted(os.sched_getaffinity(0)))
@@ -92,7 +92,7 @@ def test_a_device_naming_cores_the_machine_lacks_stops_the_worker_with_a_clear_e
 _REPORT_PRIORITIES = """
 import multiprocessing, os
 from pathlib import Path
-from workers.bootstrap import yield_to_helpers
+from jobsvc.workers.bootstrap import yield_to_helpers
 
 def child(queue):
     queue.put(os.getpriority(os.PRIO_PROCESS, 0))
@@ -145,10 +145,10 @@ def test_a_worker_started_inside_another_session_leaves_that_session_alone(
 _FAILING_WORKER = """
 import sys
 from celery import bootsteps
-import workers.celery_app
+import jobsvc.workers.celery_app
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
-from workers.bootstrap import run_worker
+from jobsvc.workers.bootstrap import run_worker
 
 class Broken(bootsteps.StartStopStep):
     def start(self, worker):
@@ -157,7 +157,7 @@ class Broken(bootsteps.StartStopStep):
 settings = Settings.from_env({}, redis_url=sys.argv[1], worker_concurrency=1)
 app = make_celery(settings)
 app.steps["worker"].add(Broken)
-workers.celery_app.create_worker_app = lambda _settings, _shard: app
+jobsvc.workers.celery_app.create_worker_app = lambda _settings, _shard: app
 run_worker(settings, 97, None)
 """
 

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-from workers.collector import CollectionWindow
+from jobsvc.workers.collector import CollectionWindow
 
 pytestmark = pytest.mark.unit
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from jobsvc.workers.celery_app import EXIT_ENGINE_DEAD
 from sqlalchemy import func, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
@@ -33,7 +34,6 @@ from tests.engine_killer import KILLER_PREFIX
 from tests.fault_tally import tally
 from tests.servers import PrivatePostgres, PrivateRedis, private_servers
 from tests.waiting import until
-from workers.celery_app import EXIT_ENGINE_DEAD
 
 pytestmark = pytest.mark.faults
 

@@ -5,7 +5,8 @@ Python until the function runs."""
 from __future__ import annotations
 
 import ast
-from collections.abc import Collection, Iterator
+import tomllib
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,29 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jobsvc", "workers", "bench")
 
 
-def _module_name(path: Path, root: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
+def installed_names(root: Path = ROOT) -> dict[str, str]:
+    """Each of the repository's package folders with the import package the wheel installs it
+    as (pyproject.toml's `package-dir`: the folder `workers` is `jobsvc.workers`)."""
+    with (root / "pyproject.toml").open("rb") as file:
+        package_dir = tomllib.load(file)["tool"]["setuptools"]["package-dir"]
+    return {folder: package for package, folder in package_dir.items()}
+
+
+INSTALLED_AS = installed_names()
+# The folders whose modules import each other; migrations are files Alembic loads by path.
+PACKAGES = {folder: INSTALLED_AS[folder] for folder in ("jobsvc", "workers", "bench")}
+WORKERS, BENCH = PACKAGES["workers"], PACKAGES["bench"]
+
+
+def _module_name(path: Path, folder: Path, package: str) -> str:
+    parts = (package, *path.relative_to(folder).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(f"{package}.")
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool,
@@ -40,10 +58,12 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool,
                 yield submodule if submodule in modules else base
 
 
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """The project's modules, each with the project's modules it imports."""
-    files = {_module_name(path, root): path for package in PACKAGES
-             for path in (root / package).rglob("*.py")}
+def import_graph(packages: Mapping[str, str] = PACKAGES,
+                 root: Path = ROOT) -> dict[str, set[str]]:
+    """The project's modules, each with the project's modules it imports; `packages` names
+    the folders to read, each with the import package it installs as."""
+    files = {_module_name(path, root / folder, package): path
+             for folder, package in packages.items() for path in (root / folder).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -78,15 +98,32 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_projects_modules_import_each_other_without_a_cycle() -> None:
     graph = import_graph()
-    assert {"jobsvc.client", "workers.celery_app", "bench.probes"} <= set(graph)
+    assert {"jobsvc.client", "jobsvc.workers.celery_app", "jobsvc.bench.probes"} <= set(graph)
     assert find_cycle(graph) is None
 
 
 def test_no_worker_module_imports_the_benchmark() -> None:
     graph = import_graph()
-    reaching = {module: sorted(name for name in imported if name.split(".")[0] == "bench")
-                for module, imported in graph.items() if module.split(".")[0] == "workers"}
+    reaching = {module: sorted(name for name in imported if _within(name, BENCH))
+                for module, imported in graph.items() if _within(module, WORKERS)}
     assert {module: names for module, names in reaching.items() if names} == {}
+
+
+def test_no_module_imports_a_package_folder_by_the_folders_name() -> None:
+    """From the repository root `import workers` finds the folder, but the wheel installs
+    it as `jobsvc.workers` only: such an import works in a checkout and nowhere else."""
+    renamed = {folder for folder, package in INSTALLED_AS.items() if folder != package}
+    offenders: dict[str, list[str]] = {}
+    for folder in (*INSTALLED_AS, "tests", "ops"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for alias in node.names]
+            names += [node.module for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and not node.level and node.module]
+            if found := sorted(name for name in names if name.split(".")[0] in renamed):
+                offenders[str(path.relative_to(ROOT))] = found
+    assert offenders == {}
 
 
 def test_the_cycle_finder_sees_a_cycle_through_an_import_inside_a_function(
@@ -94,8 +131,9 @@ def test_the_cycle_finder_sees_a_cycle_through_an_import_inside_a_function(
     package = tmp_path / "workers"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "app.py").write_text("from workers import control\n")
+    (package / "app.py").write_text("from jobsvc.workers import control\n")
     (package / "control.py").write_text("def register():\n    from .app import run\n")
-    graph = import_graph(tmp_path)
-    assert graph["workers.app"] == {"workers.control"}
-    assert find_cycle(graph) == ["workers.app", "workers.control", "workers.app"]
+    graph = import_graph({"workers": "jobsvc.workers"}, tmp_path)
+    assert graph["jobsvc.workers.app"] == {"jobsvc.workers.control"}
+    assert find_cycle(graph) == [
+        "jobsvc.workers.app", "jobsvc.workers.control", "jobsvc.workers.app"]

@@ -10,8 +10,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-
-from bench.measure import (
+from jobsvc.bench.measure import (
     ENGINE_ROLE,
     ArmResult,
     Pair,
@@ -33,7 +32,7 @@ from bench.measure import (
     summarize_pairs,
     wait_seconds,
 )
-from bench.run import (
+from jobsvc.bench.run import (
     BenchOptions,
     _GcTotals,
     _report,
@@ -43,6 +42,7 @@ from bench.run import (
     plot_pairs,
     shard_devices,
 )
+
 from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs

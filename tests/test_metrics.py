@@ -6,6 +6,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+from jobsvc.workers.engine import EngineResult
+from jobsvc.workers.hooks import FinishedBatch, HookChain, WorkerHooks
+from jobsvc.workers.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry
 
 from jobsvc.exposition import exposition
@@ -14,9 +17,6 @@ from jobsvc.health import Heartbeat, SeenWorker
 from jobsvc.metrics import fleet_registry
 from jobsvc.store import ClaimedJob
 from tests.exposition import Samples, parse_samples
-from workers.engine import EngineResult
-from workers.hooks import FinishedBatch, HookChain, WorkerHooks
-from workers.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 import prometheus_client
 import pytest
 import redis
+from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
 
 from jobsvc import Client
 from jobsvc.fleet import FleetReader
@@ -27,7 +28,6 @@ from jobsvc.settings import Settings
 from jobsvc.store import Store
 from tests.exposition import Samples, parse_samples
 from tests.waiting import until
-from workers.heartbeat import BatchActivity, HeartbeatKeeper
 
 pytestmark = pytest.mark.integration
 

@@ -7,15 +7,15 @@ import time
 from typing import Any
 
 import pytest
+from jobsvc.bench.standalone import STAGGERED_PACING, staggered_pacing
+from jobsvc.workers.engine import Pacing, gather_paced
 
-from bench.standalone import STAGGERED_PACING, staggered_pacing
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from tests.conftest import set_pacing
 from tests.waiting import until
-from workers.engine import Pacing, gather_paced
 
 pytestmark = pytest.mark.bench
 

@@ -1,4 +1,5 @@
-"""`python -m bench.pool`: several bench reports in, each run's checks and pooled rows out."""
+"""`python -m jobsvc.bench.pool`: several bench reports in, each run's checks and pooled rows
+out."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _pool(tmp_path: Path, reports: dict[str, dict[str, Any]], *options: str
         path = tmp_path / name
         path.write_text(json.dumps(report))
         paths.append(str(path))
-    return subprocess.run([sys.executable, "-m", "bench.pool", *options, *paths],
+    return subprocess.run([sys.executable, "-m", "jobsvc.bench.pool", *options, *paths],
                           capture_output=True, text=True, timeout=60, cwd=REPOSITORY)
 
 

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-
-from bench.measure import ENGINE_ROLE, cpu_seconds_by_role
-from bench.processes import (
+from jobsvc.bench.measure import ENGINE_ROLE, cpu_seconds_by_role
+from jobsvc.bench.processes import (
     FOREIGN_CPU,
     MACHINE_CPU,
     RUNNER_WAIT,
@@ -131,7 +130,7 @@ def test_the_benchs_ancestors_count_without_the_children_they_reaped() -> None:
     subprocess.run([sys.executable, "-c", _BURNER.replace("time.sleep(60)", "")], check=True)
     assert sum(psutil.Process().cpu_times()[2:4]) >= 0.28
     probe = subprocess.run(
-        [sys.executable, "-c", "import os\nfrom bench.processes import FOREIGN_CPU, "
+        [sys.executable, "-c", "import os\nfrom jobsvc.bench.processes import FOREIGN_CPU, "
          "foreign_cpu_now\nprint(foreign_cpu_now()[os.getppid(), FOREIGN_CPU])"],
         capture_output=True, text=True, check=True)
     mine = psutil.Process().cpu_times()

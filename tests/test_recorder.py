@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
@@ -19,7 +20,6 @@ from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
 from tests.conftest import claim
-from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 pytestmark = pytest.mark.integration
 

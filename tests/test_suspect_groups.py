@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from workers.isolation import SuspectGroup, group_limit, suspect_groups
+from jobsvc.workers.isolation import SuspectGroup, group_limit, suspect_groups
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ claims the jobs the message may run and reads everything they run from the store
 only names them), admits them to the engine at once, and returns (so the message is
 acknowledged) only when every result is committed. Suspects, jobs whose engine died under
 them before, run after their message-mates, in groups that each have the engine alone and
-halve each time the engine dies under them (see workers.isolation)."""
+halve each time the engine dies under them (see jobsvc.workers.isolation)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from jobsvc.workers.engine import EngineAdapter, EngineRequest, EngineResult
+from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
+from jobsvc.workers.isolation import EngineTurns, SuspectGroup, suspect_groups
+from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.prompts import PromptBuilder
 from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
-from workers.engine import EngineAdapter, EngineRequest, EngineResult
-from workers.hooks import FinishedBatch, WorkerHooks
-from workers.isolation import EngineTurns, SuspectGroup, suspect_groups
-from workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
 # How a job the engine ran can end, as a message's task result counts them.

@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from jobsvc.workers.engine import is_cpu_build
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.health import SeenWorker, read_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
-from workers.engine import is_cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def run_worker(settings: Settings, shard: int, device: str | None) -> None:
     bind_device(settings, device)
     keep_to_device(device)
     yield_to_helpers(settings.worker_nice)
-    from workers.celery_app import create_worker_app, worker_name
+    from jobsvc.workers.celery_app import create_worker_app, worker_name
 
     refuse_held_shard(settings, shard)
     app = create_worker_app(settings, shard)

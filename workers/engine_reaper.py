@@ -46,7 +46,7 @@ class EngineReaper:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("the engine reaper must be started from the main thread")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "workers.engine_reaper", str(os.getpid())],
+            [sys.executable, "-m", "jobsvc.workers.engine_reaper", str(os.getpid())],
             stdin=subprocess.PIPE)
 
     def engine_started(self) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.bench.run import Bench, BenchOptions, bench_jobs, trial_shape
-
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState

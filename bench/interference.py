@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy
 import psutil
+
 from jobsvc.bench.run import BenchOptions, bench_jobs, shard_devices
 from jobsvc.bench.standalone import Job, StandaloneEngines, as_job
-
 from jobsvc.settings import Settings
 
 # A touching co-runner writes one byte per cache line, this many bytes of its buffer at a time

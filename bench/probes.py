@@ -16,6 +16,7 @@ from typing import Any
 
 import prometheus_client
 from celery.worker.control import control_command
+
 from jobsvc.bench.gcpause import GcPauseMeter
 from jobsvc.bench.standalone import run_burst
 from jobsvc.workers.engine import Pacing

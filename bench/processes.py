@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
+
 from jobsvc.bench.measure import (
     ENGINE_ROLE,
     ProcessKey,

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import redis
+
 from jobsvc.bench.measure import (
     DISTURBED_SHARE,
     ArmResult,
@@ -49,7 +50,6 @@ from jobsvc.bench.processes import (
     with_roles,
 )
 from jobsvc.bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
-
 from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
 from jobsvc.local import LocalWorkers

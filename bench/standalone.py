@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobsvc.prompts import PromptBuilder
+from jobsvc.settings import Settings
 from jobsvc.workers.bootstrap import bind_device, kept_to_device
 from jobsvc.workers.collector import CollectionWindow
 from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
-
-from jobsvc.prompts import PromptBuilder
-from jobsvc.settings import Settings
 
 # "all": every request at once; "staggered": paced as the service's workers pace a batch
 # where they pace it (`jobsvc.workers.engine.Pacing`, from JOBSVC_ADMISSION_CHUNK and

@@ -14,10 +14,10 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from jobsvc.bench.probes import HOOKS_PATH
 from xdist.scheduler import LoadScopeScheduling
 
 from jobsvc import Client
+from jobsvc.bench.probes import HOOKS_PATH
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Sequence
 
 import psutil
+
 from jobsvc.workers.hooks import WorkerHooks
 
 KILLER_PREFIX = "dead"

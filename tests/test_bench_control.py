@@ -12,6 +12,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
+
 from jobsvc.bench.gcpause import GcPauseMeter
 from jobsvc.bench.probes import (
     COMMANDS,
@@ -20,10 +21,9 @@ from jobsvc.bench.probes import (
     BenchProbes,
     engine_step_totals,
 )
+from jobsvc.settings import Settings
 from jobsvc.workers.collector import CollectionWindow
 from jobsvc.workers.hooks import WorkerContext
-
-from jobsvc.settings import Settings
 
 pytestmark = pytest.mark.bench
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobsvc.workers.bootstrap import autogroups_enabled, cpu_cores
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.settings import Settings
+from jobsvc.workers.bootstrap import autogroups_enabled, cpu_cores
 
 pytestmark = pytest.mark.integration
 

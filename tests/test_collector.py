@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from jobsvc.workers.collector import CollectionWindow
 
 pytestmark = pytest.mark.unit

@@ -11,28 +11,25 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 import redis
-from jobsvc.workers.celery_app import EXIT_ENGINE_DEAD
 from sqlalchemy import func, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.keys import queue_name
-from jobsvc.local import LocalWorkers, settings_environment
+from jobsvc.local import settings_environment
 from jobsvc.schema import BatchMessage
-from jobsvc.settings import Settings
-from jobsvc.store import Job, Store, utcnow
+from jobsvc.store import Job, utcnow
 from jobsvc.transport import make_celery, publish
+from jobsvc.workers.celery_app import EXIT_ENGINE_DEAD
 from jobsvc.workloads import document_questions
-from tests.conftest import FAULT_TABLE, TEST_WORKER_NICE
+from tests.conftest import FAULT_TABLE
 from tests.engine_killer import KILLER_PREFIX
-from tests.fault_tally import tally
-from tests.servers import PrivatePostgres, PrivateRedis, private_servers
+from tests.fault_tally import Harness, engine_core_of, running_harness, tally
 from tests.waiting import until
 
 pytestmark = pytest.mark.faults
@@ -40,33 +37,13 @@ pytestmark = pytest.mark.faults
 FINISH_TIMEOUT = 240
 
 
-@dataclass
-class Harness:
-    settings: Settings
-    workers: LocalWorkers
-    redis_server: PrivateRedis
-    postgres: PrivatePostgres
-    client: Client
-    store: Store
-
-
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    with private_servers(6391, 5441) as (redis_server, postgres):
-        settings = Settings.from_env({}, redis_url=redis_server.url, database_url=postgres.url,
-                                     requeue_interval=2, stranded_grace=5, max_attempts=1,
-                                     batch_size=16, worker_concurrency=4, visibility_timeout=8,
-                                     worker_nice=TEST_WORKER_NICE,
-                                     worker_hooks="tests.engine_killer:EngineKiller")
-        workers = LocalWorkers(settings, Path(tmp_path_factory.mktemp("fault-logs")))
-        store = Store(settings.resolved_database_url)
-        try:
-            workers.start()
-            with Client(settings=settings) as client:
-                yield Harness(settings, workers, redis_server, postgres, client, store)
-        finally:
-            workers.stop()
-            store.dispose()
+    with running_harness(6391, 5441, Path(tmp_path_factory.mktemp("fault-logs")),
+                         requeue_interval=2, stranded_grace=5, max_attempts=1, batch_size=16,
+                         worker_concurrency=4, visibility_timeout=8,
+                         worker_hooks="tests.engine_killer:EngineKiller") as running:
+        yield running
 
 
 def _burst(client: Client, jobs: int, seed: int, max_tokens: int = 24) -> list[str]:
@@ -83,13 +60,6 @@ def _wait_until_finished(client: Client, ids: list[str], count: int) -> None:
 def _tally(harness: Harness, scenario: str, ids: list[str]) -> dict[str, int]:
     return tally(harness.client, harness.settings.resolved_database_url, scenario, ids,
                  FINISH_TIMEOUT)
-
-
-def _engine_core(harness: Harness) -> psutil.Process:
-    """The first worker's vLLM engine-core process."""
-    worker = harness.workers.processes[0]
-    return next(child for child in psutil.Process(worker.pid).children(recursive=True)
-                if "EngineCore" in child.name())
 
 
 def _admitted(harness: Harness, ids: list[str]) -> int:
@@ -110,7 +80,7 @@ def test_a_batch_stalled_past_the_visibility_timeout_is_delivered_once(
     # A frozen engine holds the batch past the visibility timeout (plus kombu's 1 s restore
     # scan) however fast this host generates: the worker claims the job and waits on it.
     stall = 1.5 * harness.settings.visibility_timeout + 1
-    engine_core = _engine_core(harness)
+    engine_core = engine_core_of(harness)
     engine_core.suspend()
     try:
         job_id = client.submit(document_questions(1, 1, 80, seed=100)[0].document, "long?",

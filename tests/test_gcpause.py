@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+
 from jobsvc.bench.gcpause import GcPauseMeter
 
 pytestmark = pytest.mark.bench

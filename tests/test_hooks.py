@@ -4,9 +4,9 @@ with the setting named."""
 from __future__ import annotations
 
 import pytest
-from jobsvc.workers.hooks import WorkerHooks, load_hooks
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.workers.hooks import WorkerHooks, load_hooks
 
 pytestmark = pytest.mark.unit
 

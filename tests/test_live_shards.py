@@ -4,13 +4,13 @@ which shard numbers a starting worker may take."""
 from __future__ import annotations
 
 import pytest
-from jobsvc.workers.bootstrap import held_elsewhere
 
 from jobsvc.departures import dead_shards
 from jobsvc.errors import ConfigurationError
 from jobsvc.health import ALIVE_SECONDS, Heartbeat, SeenWorker
 from jobsvc.routing.live import NoLiveShard, live_shard_ids
 from jobsvc.settings import Settings
+from jobsvc.workers.bootstrap import held_elsewhere
 
 pytestmark = pytest.mark.unit
 

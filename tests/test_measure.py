@@ -10,6 +10,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+
 from jobsvc.bench.measure import (
     ENGINE_ROLE,
     ArmResult,
@@ -42,7 +43,6 @@ from jobsvc.bench.run import (
     plot_pairs,
     shard_devices,
 )
-
 from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs

@@ -6,9 +6,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from jobsvc.workers.engine import EngineResult
-from jobsvc.workers.hooks import FinishedBatch, HookChain, WorkerHooks
-from jobsvc.workers.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry
 
 from jobsvc.exposition import exposition
@@ -16,6 +13,9 @@ from jobsvc.fleet import Fleet, ShardView
 from jobsvc.health import Heartbeat, SeenWorker
 from jobsvc.metrics import fleet_registry
 from jobsvc.store import ClaimedJob
+from jobsvc.workers.engine import EngineResult
+from jobsvc.workers.hooks import FinishedBatch, HookChain, WorkerHooks
+from jobsvc.workers.metrics import WorkerMetrics
 from tests.exposition import Samples, parse_samples
 
 pytestmark = pytest.mark.unit

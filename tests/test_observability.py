@@ -16,7 +16,6 @@ from dataclasses import replace
 import prometheus_client
 import pytest
 import redis
-from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
 
 from jobsvc import Client
 from jobsvc.fleet import FleetReader
@@ -26,6 +25,7 @@ from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.metrics import fleet_registry
 from jobsvc.settings import Settings
 from jobsvc.store import Store
+from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
 from tests.exposition import Samples, parse_samples
 from tests.waiting import until
 

@@ -7,13 +7,13 @@ import time
 from typing import Any
 
 import pytest
-from jobsvc.bench.standalone import STAGGERED_PACING, staggered_pacing
-from jobsvc.workers.engine import Pacing, gather_paced
 
+from jobsvc.bench.standalone import STAGGERED_PACING, staggered_pacing
 from jobsvc.client import Client
 from jobsvc.local import LocalWorkers
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
+from jobsvc.workers.engine import Pacing, gather_paced
 from tests.conftest import set_pacing
 from tests.waiting import until
 

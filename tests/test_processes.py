@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+
 from jobsvc.bench.measure import ENGINE_ROLE, cpu_seconds_by_role
 from jobsvc.bench.processes import (
     FOREIGN_CPU,

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 from tests.conftest import claim
 
 pytestmark = pytest.mark.integration

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobsvc.workers.engine import engine_args
 
 from jobsvc import compression
 from jobsvc.errors import ConfigurationError
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
+from jobsvc.workers.engine import engine_args
 from jobsvc.workloads import document_questions, lexicon
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from jobsvc.workers.isolation import SuspectGroup, group_limit, suspect_groups
 
 pytestmark = pytest.mark.unit

@@ -15,15 +15,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from jobsvc.workers.engine import EngineAdapter, EngineRequest, EngineResult
-from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
-from jobsvc.workers.isolation import EngineTurns, SuspectGroup, suspect_groups
-from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.prompts import PromptBuilder
 from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
+from jobsvc.workers.engine import EngineAdapter, EngineRequest, EngineResult
+from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
+from jobsvc.workers.isolation import EngineTurns, SuspectGroup, suspect_groups
+from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 
 log = logging.getLogger(__name__)
 # How a job the engine ran can end, as a message's task result counts them.

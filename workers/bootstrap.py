@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
-from jobsvc.workers.engine import is_cpu_build
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.health import SeenWorker, read_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
+from jobsvc.workers.engine import is_cpu_build
 
 log = logging.getLogger(__name__)
 

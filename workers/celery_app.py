@@ -14,17 +14,6 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from jobsvc.workers import broker_fixes
-from jobsvc.workers.batch import BatchRunner
-from jobsvc.workers.collector import CollectionWindow
-from jobsvc.workers.drain import DrainWatch
-from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args
-from jobsvc.workers.engine_reaper import EngineReaper
-from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
-from jobsvc.workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
-from jobsvc.workers.leases import LeaseKeeper
-from jobsvc.workers.metrics import WorkerMetrics, serve_metrics
-from jobsvc.workers.recorder import ResultRecorder
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.departures import ShardMover, rejoin
@@ -36,6 +25,17 @@ from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_BATCH_TASK, make_celery
+from jobsvc.workers import broker_fixes
+from jobsvc.workers.batch import BatchRunner
+from jobsvc.workers.collector import CollectionWindow
+from jobsvc.workers.drain import DrainWatch
+from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args
+from jobsvc.workers.engine_reaper import EngineReaper
+from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
+from jobsvc.workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
+from jobsvc.workers.leases import LeaseKeeper
+from jobsvc.workers.metrics import WorkerMetrics, serve_metrics
+from jobsvc.workers.recorder import ResultRecorder
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import threading
 from collections.abc import Callable
 
 import redis
-from jobsvc.workers.heartbeat import BatchActivity
 from kombu.exceptions import OperationalError
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.departures import ShardMover
 from jobsvc.keys import DRAINING_KEY
 from jobsvc.routing.live import LIVE_SET_SECONDS
+from jobsvc.workers.heartbeat import BatchActivity
 
 log = logging.getLogger(__name__)
 

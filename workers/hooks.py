@@ -12,12 +12,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jobsvc.workers.collector import CollectionWindow
-from jobsvc.workers.engine import EngineAdapter, EngineResult
-
 from jobsvc.errors import ConfigurationError
 from jobsvc.prompts import PromptBuilder
 from jobsvc.store import ClaimedJob
+from jobsvc.workers.collector import CollectionWindow
+from jobsvc.workers.engine import EngineAdapter, EngineResult
 
 log = logging.getLogger(__name__)
 

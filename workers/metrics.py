@@ -12,12 +12,12 @@ import logging
 from datetime import UTC, datetime
 
 import prometheus_client
-from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from jobsvc.exposition import serve_registry
 from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
+from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
 
 log = logging.getLogger(__name__)
 

@@ -3,15 +3,11 @@ real worker (Celery + vLLM CPU engine + tiny model) started once, because it tak
 
 from __future__ import annotations
 
-import os
-import socket
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import redis
 from xdist.scheduler import LoadScopeScheduling
@@ -21,26 +17,18 @@ from jobsvc.bench.probes import HOOKS_PATH
 from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
-from jobsvc.store import Store, utcnow
-from jobsvc.transport import make_celery
+from jobsvc.store import Store
+from tests.support.environment import (
+    FAULT_TABLE,
+    ROUTING_REDIS_URL,
+    TEST_DATABASE,
+    TEST_WORKER_NICE,
+    WORKER_REDIS_URL,
+    free_port,
+    recreate_database,
+)
+from tests.support.jobs import record_queued_job
 
-POSTGRES_ADMIN_URL = os.environ.get("JOBSVC_TEST_POSTGRES_ADMIN_URL",
-                                    "postgresql://postgres@127.0.0.1:5432/postgres")
-# Overridable so that two test runs on one machine keep out of each other's way.
-TEST_DATABASE = os.environ.get("JOBSVC_TEST_DATABASE", "jobsvc_test")
-# The worker's Redis database, and a second one for routing tests that need shards no worker
-# consumes (their queues just fill up and are dropped).
-WORKER_REDIS_URL = os.environ.get("JOBSVC_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-ROUTING_REDIS_URL = os.environ.get("JOBSVC_TEST_ROUTING_REDIS_URL",
-                                   WORKER_REDIS_URL.rsplit("/", 1)[0] + "/14")
-# Every test worker runs below the tests' own priority: on a host with few cores, an engine
-# that busy-waits between steps can otherwise keep the tests, PostgreSQL and Redis off the
-# CPU for seconds while it generates (see JOBSVC_WORKER_NICE).
-TEST_WORKER_NICE = 10
-# Rows of the fault tests' table, one per scenario, that the running test recorded. Each
-# test's report carries them on (as user properties), so that they reach the process that
-# prints the table after the run, also when the run is split over several processes.
-FAULT_TABLE: list[dict[str, object]] = []
 _FAULT_ROW = "fault scenario"
 _reported_rows: list[dict[str, object]] = []
 
@@ -104,33 +92,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.line("  ".join(c.ljust(widths[c]) for c in columns))
     for row in _reported_rows:
         terminalreporter.line("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
-
-
-def drop_database(name: str) -> None:
-    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def empty_database(name: str) -> str:
-    """A new, empty PostgreSQL database of this name (replacing one left over); its URL."""
-    drop_database(name)
-    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f"CREATE DATABASE {name}")
-    return POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-
-
-def recreate_database(name: str = TEST_DATABASE) -> str:
-    """An empty PostgreSQL database of this name at the schema's head; returns its URL."""
-    url = empty_database(name)
-    upgrade_to_head(url)
-    return url
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -215,51 +176,6 @@ def embedded(tmp_path: Path) -> Iterator[Store]:
     repository.dispose()
 
 
-# The message that the jobs `record_queued_job` records belong to.
-TEST_MESSAGE = "test-message"
-
-
-def queued_job_row(job_id: str, document_key: str, **fields: Any) -> dict[str, Any]:
-    """A queued job's row as a submit records it, on shard 0, owned by TEST_MESSAGE."""
-    return {"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
-            "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
-            "load": 2, "message_id": TEST_MESSAGE, "submitted_at": utcnow(),
-            "enqueued_at": utcnow(), **fields}
-
-
-def record_queued_job(store: Store, **fields: Any) -> str:
-    """Records a queued job on a document of its own and returns its ID."""
-    job_id = uuid.uuid4().hex
-    document_key = uuid.uuid4().hex
-    store.record_submitted(
-        [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
-        [queued_job_row(job_id, document_key, **fields)])
-    return job_id
-
-
-def claim(store: Store, job_ids: list[str], *, redelivered: bool = False
-          ) -> dict[str, tuple[int, ...] | str]:
-    """Claim jobs as TEST_MESSAGE's worker on shard 0; their documents by job ID."""
-    claimed = store.claim_batch(job_ids, message_id=TEST_MESSAGE, shard=0,
-                                redelivered=redelivered, worker="w", max_attempts=3)
-    return {job.job_id: job.document for job in claimed.jobs}
-
-
 @pytest.fixture()
 def queued_job(store: Store) -> Callable[[], str]:
     return lambda: record_queued_job(store)
-
-
-def ask_worker(settings: Settings, command: str, arguments: dict[str, Any],
-               timeout: float = 30) -> dict[str, Any]:
-    """The test worker's reply to a remote-control command."""
-    replies = make_celery(settings).control.broadcast(command, arguments=arguments, reply=True,
-                                                      timeout=timeout, limit=1)
-    assert len(replies) == 1, replies
-    (reading,) = replies[0].values()
-    return reading
-
-
-def set_pacing(settings: Settings, chunk: int, pause_ms: float) -> dict[str, Any]:
-    """Pace the test worker's later batches; returns its reply (the pacing it replaced)."""
-    return ask_worker(settings, "set_admission_pacing", {"chunk": chunk, "pause_ms": pause_ms})

@@ -26,7 +26,7 @@ from typing import Any
 import openai
 
 from jobsvc.batchapi.batchstore import BatchRecord, BatchStore
-from jobsvc.local import ServerProcess
+from jobsvc.child_processes import ServerProcess
 from jobsvc.settings import Settings
 from jobsvc.store import make_engine
 from jobsvc.workloads import document, question

@@ -18,7 +18,7 @@ import redis
 
 from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.private_redis import PrivateRedis
-from jobsvc.routing.cost import RoutingJob, decode_load
+from jobsvc.routing.job_cost import RoutingJob, decode_load
 from jobsvc.routing.live import LiveShards
 from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.routing.prefix import document_keys
@@ -69,7 +69,7 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
         for shard in range(shards):
             write_heartbeat(client, Heartbeat(
                 shard=shard, worker=f"shard{shard}@bench", host="bench", pid=os.getpid(),
-                up_s=1.0, engine_ready=True, batches_in_flight=0, last_batch_finished_s=None,
+                up_s=1.0, engine_ready=True, messages_in_flight=0, last_message_finished_s=None,
                 metrics_port=None))
         rng = random.Random(shards)
         documents = [tuple(rng.randrange(4000) for _ in range(1500)) for _ in range(1024)]

@@ -50,18 +50,18 @@ from jobsvc.bench.processes import (
     with_roles,
 )
 from jobsvc.bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.errors import ConfigurationError
-from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing.cost import RoutingJob, decode_load
+from jobsvc.routing.job_cost import RoutingJob, decode_load
 from jobsvc.routing.prefix import document_keys
 from jobsvc.routing.router import Router, make_router, reset_routing_state
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
+from jobsvc.wire import JobStatus
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
 log = logging.getLogger(__name__)

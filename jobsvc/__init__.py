@@ -2,8 +2,8 @@
 
 from jobsvc.client import Client
 from jobsvc.errors import BrokerUnavailable, InvalidJob, JobNotFound, StorageUnavailable
-from jobsvc.schema import JobStatus
 from jobsvc.store import JobRecord
+from jobsvc.wire import JobStatus
 
 __all__ = ["BrokerUnavailable", "Client", "InvalidJob", "JobNotFound", "JobRecord", "JobStatus",
            "StorageUnavailable"]

@@ -15,7 +15,6 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from jobsvc import compression
-from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.console import ProgressBar
 from jobsvc.errors import (
     BROKER_ERRORS,
@@ -28,12 +27,16 @@ from jobsvc.errors import (
 )
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
+from jobsvc.messages import PlacedJob, form_messages
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing.cost import RoutingJob, decode_load, loads_per_shard
+from jobsvc.routing.job_cost import RoutingJob, decode_load, loads_per_shard
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import make_router
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import (
+from jobsvc.settings import Settings
+from jobsvc.store import MAX_IDEMPOTENCY_KEY_CHARS, JobRecord, Store, utcnow
+from jobsvc.transport import make_celery, publish
+from jobsvc.wire import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     JobLimits,
@@ -42,9 +45,6 @@ from jobsvc.schema import (
     text_fault,
     validate_job,
 )
-from jobsvc.settings import Settings
-from jobsvc.store import MAX_IDEMPOTENCY_KEY_CHARS, JobRecord, Store, utcnow
-from jobsvc.transport import make_celery, publish
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Client:
         recorded nor enqueued, and what routing charged for them is returned."""
         with translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
             routed, prefix_keys = self._route(jobs, job_ids)
-        messages = form_batches(routed.placed, self.settings.batch_size)
+        messages = form_messages(routed.placed, self.settings.batch_size)
         message_of = {job_id: message.message_id for message in messages
                       for job_id in message.job_ids}
         now = utcnow()

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import redis
 
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.console import StatusLine
 from jobsvc.errors import ConfigurationError
-from jobsvc.local import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.private_redis import PrivateRedis
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings, masked_url
 from jobsvc.store import JobRecord
+from jobsvc.wire import JobStatus
 from jobsvc.workloads import document_questions
 
 

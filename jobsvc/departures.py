@@ -19,10 +19,10 @@ import redis
 from celery import Celery
 from redis.lock import Lock
 
-from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.health import SeenWorker
 from jobsvc.keys import DEPARTED_KEY, DRAINING_KEY, RECONCILE_LOCK_KEY
-from jobsvc.routing.cost import Route, RoutingJob, decode_load, loads_per_shard
+from jobsvc.messages import PlacedJob, form_messages
+from jobsvc.routing.job_cost import Route, RoutingJob, decode_load, loads_per_shard
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import forget_shard, make_router
 from jobsvc.routing.state import ShardState
@@ -121,7 +121,7 @@ class ShardMover:
                        decode_load(job.max_tokens, cost)) for job in jobs])
         placed = [(job, route) for job, route in zip(jobs, routes, strict=True)
                   if route.shard != shard]
-        messages = form_batches([PlacedJob(job.job_id, route.shard, job.document_key)
+        messages = form_messages([PlacedJob(job.job_id, route.shard, job.document_key)
                                  for job, route in placed], self._settings.batch_size)
         route_of: dict[str, Route] = {job.job_id: route for job, route in placed}
         moved = self._store.move_jobs(shard, messages, route_of, unclaimed_only=unclaimed_only)

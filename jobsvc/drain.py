@@ -1,6 +1,6 @@
 """`jobsvc drain --shard N`: take a shard out of service with nothing lost and nothing run
 twice. The command flags the shard draining in Redis (routers leave it out from then on) and
-waits for its worker to finish: the worker stops taking messages, lets its running batches
+waits for its worker to finish: the worker stops taking messages, lets its running messages
 end, moves its queued jobs to live shards and exits with code 0 (`jobsvc.workers.drain`). A shard
 whose worker is not alive has its queued jobs moved by the command itself."""
 
@@ -46,7 +46,7 @@ def drain_shard(settings: Settings, shard: int, timeout_s: float,
         if seen is None or not seen.alive:
             return DrainOutcome(True, _move_queued(settings, client, shard), None)
         name = seen.heartbeat.worker
-        progress(f"waiting for worker {name} to finish its batches and stop")
+        progress(f"waiting for worker {name} to finish its messages and stop")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             seen = read_heartbeat(client, shard)

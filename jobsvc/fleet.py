@@ -2,8 +2,9 @@
 jobs, its outstanding load and its worker's last heartbeat. `jobsvc status`, the server's
 /metrics and Flower's queue list read it from here.
 
-A shard is listed when the settings name it or when it is live: a heartbeat is kept for it,
-messages wait in its queue, or the store holds unfinished jobs for it. Producers or workers
+A shard is listed when the settings name it or when Redis or the store reports it: a
+heartbeat is kept for it, messages wait in its queue, or the store holds unfinished jobs for
+it. Producers or workers
 configured with more shards than this process show up that way too."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import redis
 from jobsvc.health import SeenWorker, read_heartbeats
 from jobsvc.keys import ALL_QUEUES_PATTERN, queue_name, shard_of_queue
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import ACTIVE_STATUSES
 from jobsvc.settings import Settings
 from jobsvc.store import Store
+from jobsvc.wire import ACTIVE_STATUSES
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,14 @@ def queued_shards(client: redis.Redis) -> set[int]:
             if (shard := shard_of_queue(key)) is not None}
 
 
-def live_shards(client: redis.Redis) -> set[int]:
-    """Shards live by Redis alone: a heartbeat kept, or messages waiting."""
+def reported_shards(client: redis.Redis) -> set[int]:
+    """Shards Redis reports, whatever their health: a heartbeat kept, or messages waiting."""
     return queued_shards(client) | set(read_heartbeats(client))
 
 
-def listed_shards(configured: int, *live: Iterable[int]) -> list[int]:
-    """The configured shards and every live one, in order."""
-    return sorted(set(range(configured)).union(*live))
+def listed_shards(configured: int, *reported: Iterable[int]) -> list[int]:
+    """The configured shards and every reported one, in order."""
+    return sorted(set(range(configured)).union(*reported))
 
 
 class FleetReader:

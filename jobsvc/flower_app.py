@@ -28,7 +28,7 @@ from flower.views import BaseHandler
 from kombu import Connection
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.fleet import listed_shards, live_shards
+from jobsvc.fleet import listed_shards, reported_shards
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings, masked_url
 from jobsvc.transport import make_celery
@@ -42,7 +42,7 @@ _AUTH_VARIABLES = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
 
 def shard_queue_names(settings: Settings, client: redis.Redis) -> list[str]:
     """Every configured shard's queue and every live one's."""
-    return [queue_name(shard) for shard in listed_shards(settings.shards, live_shards(client))]
+    return [queue_name(shard) for shard in listed_shards(settings.shards, reported_shards(client))]
 
 
 def _list_shard_queues(shard_queues: Callable[[], list[str]]) -> None:

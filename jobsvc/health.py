@@ -48,9 +48,9 @@ class Heartbeat:
     # Seconds since the worker began to start its engine.
     up_s: float
     engine_ready: bool
-    batches_in_flight: int
-    # Seconds between the end of the worker's last batch and this record; None before one.
-    last_batch_finished_s: float | None
+    messages_in_flight: int
+    # Seconds between the end of the worker's last message and this record; None before one.
+    last_message_finished_s: float | None
     # Where the worker serves /metrics; None when it serves none.
     metrics_port: int | None
     # The worker shut down (warm shutdown); its last record says so.

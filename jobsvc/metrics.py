@@ -1,6 +1,6 @@
 """The fleet's metrics for Prometheus, as the server's /metrics serves them: read at each scrape
 (a collector, not counters kept up to date), so they hold for every listed shard whether or
-not its worker is up. Each worker serves its own engine's and batches' metrics
+not its worker is up. Each worker serves its own engine's and messages' metrics
 (`jobsvc.workers.metrics`).
 
 Families: `jobsvc_queue_messages{queue,shard}`, `jobsvc_jobs{status,shard}` (queued and
@@ -22,7 +22,7 @@ from jobsvc.keys import queue_name
 def fleet_families(fleet: Fleet) -> list[Metric]:
     """The fleet's metric families from one read of it; pure, so tests check them unscraped."""
     queues = GaugeMetricFamily("jobsvc_queue_messages",
-                               "Messages waiting in the shard's queue (micro-batches of jobs)",
+                               "Messages waiting in the shard's queue (each names a few jobs)",
                                labels=["queue", "shard"])
     jobs = GaugeMetricFamily("jobsvc_jobs", "Unfinished jobs by status",
                              labels=["status", "shard"])

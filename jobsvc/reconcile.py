@@ -25,7 +25,6 @@ from datetime import timedelta
 import redis
 from celery import Celery
 
-from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.departures import (
     RECONCILE_LOCK_SECONDS,
     ShardMover,
@@ -35,6 +34,7 @@ from jobsvc.departures import (
 )
 from jobsvc.health import read_heartbeats, read_silences
 from jobsvc.keys import UNACKED_KEY, queue_name
+from jobsvc.messages import PlacedJob, form_messages
 from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
 from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
@@ -155,7 +155,7 @@ class Reconciler:
         live |= self._live_messages(shards)
         stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND)
         # The jobs' documents are recorded: a message's jobs only need to stand together.
-        messages = form_batches([PlacedJob(job_id, shard, "") for shard, job_ids
+        messages = form_messages([PlacedJob(job_id, shard, "") for shard, job_ids
                                  in stranded.items() for job_id in job_ids],
                                 self._settings.batch_size)
         if not messages:

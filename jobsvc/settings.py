@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from jobsvc.errors import ConfigurationError
 from jobsvc.health import ALIVE_SECONDS
-from jobsvc.routing.cost import DEFAULT_DECODE_COST
+from jobsvc.routing.job_cost import DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 
 # The tiny test model, the default JOBSVC_MODEL, lives in a checkout of the repository, not in
@@ -54,10 +54,10 @@ class Settings:
     # Every policy (and `jobsvc simulate`): prefill tokens one output token (of a job's
     # max_tokens) adds to its shard's load.
     routing_decode_cost: float = DEFAULT_DECODE_COST
-    # Micro-batches a worker runs at once: enough that the engine's queue never runs dry
-    # while a batch finishes and the next is claimed.
+    # Messages a worker runs at once: enough that the engine's queue never runs dry
+    # while a message finishes and the next is claimed.
     worker_concurrency: int = 8
-    # A batch's requests enter the engine this many at a time, one chunk every pause (0: all
+    # A message's requests enter the engine this many at a time, one chunk every pause (0: all
     # at once, which the engine schedules best; pacing is for engines that stall on a burst).
     admission_chunk: int = 0
     admission_pause_ms: float = 15.0
@@ -80,7 +80,7 @@ class Settings:
     # Instruments a worker attaches (`jobsvc.workers.hooks`): `module:factory`, imported when the
     # worker starts. Empty: none. `jobsvc bench` names its probes for the workers it starts.
     worker_hooks: str = ""
-    # Seconds before a crashed worker's unacknowledged batches are delivered again. Live
+    # Seconds before a crashed worker's unacknowledged messages are delivered again. Live
     # workers renew the lease on what they run, so long jobs are never delivered twice.
     visibility_timeout: int = 30
     # Deliveries before a job that keeps stopping its worker is given up as failed.

@@ -3,7 +3,7 @@
 The shards are chosen by the service's own policies (`routing.policies`), with the service's
 defaults. Each shard is a server that runs its queue in order, with an LRU cache of prefix
 blocks that decides the real hits; a job costs `prefill_cost` per prompt token its shard did not
-have cached plus its decode load (`routing.cost.decode_load`: `decode_cost` per output token).
+have cached plus its decode load (`routing.job_cost.decode_load`: `decode_cost` per output token).
 By default the whole workload is one burst at time 0, the way `submit_many` and the benchmarks
 send it: nothing finishes while jobs are routed, outstanding work only grows, and balance comes
 from the policy (its load weight and bound). With an arrival rate, job i arrives at i / rate
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import JobsvcError
-from jobsvc.routing.cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST, decode_load
+from jobsvc.routing.job_cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST, decode_load
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES, make_policy
 from jobsvc.routing.prefix import block_hashes
 from jobsvc.settings import TINY_MODEL, Settings

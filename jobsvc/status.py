@@ -35,12 +35,13 @@ def worker_report(seen: SeenWorker | None) -> dict[str, Any]:
     if seen is None:
         return {"alive": False, "last_seen_s": None}
     beat = seen.heartbeat
-    last_batch = beat.last_batch_finished_s
+    last_message = beat.last_message_finished_s
     return {
         "alive": seen.alive, "healthy": seen.healthy, "name": beat.worker, "host": beat.host,
         "pid": beat.pid, "last_seen_s": round(seen.age_s, 1), "up_s": round(beat.up_s, 1),
-        "engine_ready": beat.engine_ready, "batches_in_flight": beat.batches_in_flight,
-        "last_batch_finished_s": None if last_batch is None else round(last_batch + seen.age_s, 1),
+        "engine_ready": beat.engine_ready, "messages_in_flight": beat.messages_in_flight,
+        "last_message_finished_s": (None if last_message is None
+                                    else round(last_message + seen.age_s, 1)),
         "metrics_port": beat.metrics_port, "stopped": beat.stopped,
     }
 
@@ -92,7 +93,7 @@ def _describe_worker(worker: dict[str, Any]) -> str:
     if not worker["alive"]:
         return f"gone ({worker['name']}, {seen})"
     state = "engine ready" if worker["engine_ready"] else "engine starting"
-    last = worker["last_batch_finished_s"]
+    last = worker["last_message_finished_s"]
     return (f"alive {worker['name']} pid {worker['pid']}, {state}, "
-            f"{worker['batches_in_flight']} batches in flight, last batch "
+            f"{worker['messages_in_flight']} messages in flight, last message "
             + ("none" if last is None else f"{last:.0f} s ago") + f", {seen}")

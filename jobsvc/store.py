@@ -48,8 +48,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from jobsvc import compression
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
-from jobsvc.routing.cost import Route, loads_per_shard
-from jobsvc.schema import ACTIVE_STATUSES, FINISHED_STATUSES, BatchMessage, JobStatus
+from jobsvc.routing.job_cost import Route, loads_per_shard
+from jobsvc.wire import ACTIVE_STATUSES, FINISHED_STATUSES, JobStatus, QueueMessage
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Result(Base):
 
 
 class BatchStat(Base):
-    """Throughput of one micro-batch on one worker, for `jobsvc stats` and benchmarks."""
+    """Throughput of one message on one worker, for `jobsvc stats` and benchmarks."""
 
     __tablename__ = "batch_stats"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
@@ -401,7 +401,7 @@ class Store:
         # Single-statement reads run outside a transaction: with none to open and roll back,
         # a waiting producer's check of its jobs takes 2 round trips to PostgreSQL, not 4.
         self._reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        # A worker's statements for every batch, built once: building and keying a statement
+        # A worker's statements for every message, built once: building and keying a statement
         # cost more of its CPU than sending it.
         # Only the job's own message, on the job's own shard, claims it: a job no worker has
         # claimed, or one whose message came back because its worker stopped (`redelivered`).
@@ -518,14 +518,14 @@ class Store:
             select(Job.idempotency_key, Job.id).where(self._among(Job.idempotency_key, keys)))
             .all())
 
-    def claim_batch(self, job_ids: Sequence[str], *, message_id: str, shard: int,
+    def claim_message(self, job_ids: Sequence[str], *, message_id: str, shard: int,
                     redelivered: bool, worker: str, max_attempts: int) -> Claim:
         """Claim for this worker the jobs that this message may run and read what they run, in
         one transaction; they come back in the order given. Jobs finished, cancelled, on
         another shard or owned by another message are left alone. A job claimed before and
         not finished is a suspect. One that has stopped its engine while running alone (in a
         group of one) `max_attempts` times ends failed instead, and so does one whose
-        document reads back as neither tokens nor text (no delivery could run it). A batch
+        document reads back as neither tokens nor text (no delivery could run it). A message
         asks several questions of each document: each is read once."""
         ended: list[tuple[int, int]] = []
         with self.engine.begin() as connection:
@@ -636,7 +636,7 @@ class Store:
                            row.prompt_tokens, int(row.sampling.get("max_tokens", 0)), row.load)
                 for row in rows]
 
-    def move_jobs(self, shard: int, messages: Sequence[BatchMessage],
+    def move_jobs(self, shard: int, messages: Sequence[QueueMessage],
                   routes: Mapping[str, Route], *, unclaimed_only: bool) -> set[str]:
         """Hand jobs still unfinished on `shard` (and unclaimed, if asked) to new messages on
         the shards `routes` chose, with the loads charged there; the old messages then match
@@ -664,7 +664,7 @@ class Store:
             return set(connection.scalars(select(Job.id).where(self._among(
                 Job.message_id, [message.message_id for message in messages]))))
 
-    def assign_messages(self, messages: Sequence[BatchMessage]) -> None:
+    def assign_messages(self, messages: Sequence[QueueMessage]) -> None:
         """Hand unfinished jobs to new messages, which alone may run them from now on; a job
         a worker had claimed becomes queued and unclaimed again (its worker's message is
         gone)."""
@@ -717,7 +717,7 @@ class Store:
                         batch_stats: Sequence[dict[str, Any]] = (),
                         started: Mapping[str, datetime] | None = None) -> dict[int, int]:
         """Record jobs admitted to an engine (`started`: when, by job ID) as running, then
-        finished jobs and the statistics of batches that ended with them, in one transaction
+        finished jobs and the statistics of messages that ended with them, in one transaction
         (one commit per gathering: each commit costs the database a WAL flush). Only jobs
         still queued or running take the outcome: a job already finished (an earlier
         delivery) or cancelled keeps its first ending. Returns the load of the jobs this call

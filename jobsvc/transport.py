@@ -1,5 +1,5 @@
 """The wire between producers and workers: one Celery app configuration both sides share,
-the task name, and batched publishing of micro-batch messages to shard queues.
+the task name, and batched publishing of messages to shard queues.
 
 Messages are JSON only (nothing else is accepted), compressed whole with zstd. They carry
 job IDs and nothing else: a job's record in the store says what it runs."""
@@ -12,10 +12,10 @@ from celery import Celery
 
 from jobsvc import compression
 from jobsvc.keys import UNACKED_INDEX_KEY, queue_name
-from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
+from jobsvc.wire import QueueMessage
 
-RUN_BATCH_TASK = "jobsvc.run_batch"
+RUN_MESSAGE_TASK = "jobsvc.run_message"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -45,13 +45,13 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def publish(app: Celery, messages: Sequence[BatchMessage]) -> None:
+def publish(app: Celery, messages: Sequence[QueueMessage]) -> None:
     """Send every message in one Redis pipeline."""
     with app.producer_or_acquire() as producer, producer.batch(max_size=max(1, len(messages))):
         for message in messages:
             queue = queue_name(message.shard)
-            # A summary for Flower, instead of Celery's truncated repr of the whole batch.
-            app.send_task(RUN_BATCH_TASK, args=[message.to_wire()], queue=queue,
+            # A summary for Flower, instead of Celery's truncated repr of the whole message.
+            app.send_task(RUN_MESSAGE_TASK, args=[message.to_wire()], queue=queue,
                           routing_key=queue, producer=producer, task_id=message.message_id,
                           argsrepr=f"shard {message.shard}: {len(message.job_ids)} jobs")
 

@@ -14,7 +14,7 @@ from xdist.scheduler import LoadScopeScheduling
 
 from jobsvc import Client
 from jobsvc.bench.probes import HOOKS_PATH
-from jobsvc.local import LocalWorkers
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.settings import Settings
 from jobsvc.store import Store

@@ -1,5 +1,5 @@
 """The worker's Celery app: the shared transport configuration plus what only a worker needs
-(late acknowledgement, one batch prefetched per thread, the run_batch task) and the signals
+(late acknowledgement, one message prefetched per thread, the run_message task) and the signals
 that start and stop the resident engine with the worker."""
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store
-from jobsvc.transport import RUN_BATCH_TASK, make_celery
+from jobsvc.transport import RUN_MESSAGE_TASK, make_celery
 from jobsvc.workers import broker_fixes
-from jobsvc.workers.batch import BatchRunner
 from jobsvc.workers.collector import CollectionWindow
 from jobsvc.workers.drain import DrainWatch
 from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args
@@ -34,6 +33,7 @@ from jobsvc.workers.engine_reaper import EngineReaper
 from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
 from jobsvc.workers.hooks import HookChain, WorkerContext, WorkerHooks, load_hooks
 from jobsvc.workers.leases import LeaseKeeper
+from jobsvc.workers.message_runner import MessageRunner
 from jobsvc.workers.metrics import WorkerMetrics, serve_metrics
 from jobsvc.workers.recorder import ResultRecorder
 
@@ -58,7 +58,7 @@ class WorkerRuntime:
         self.settings = settings
         self.shard = shard
         self.hooks = hooks
-        self.runner: BatchRunner | None = None
+        self.runner: MessageRunner | None = None
         self.collections = CollectionWindow()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=None)
         broker_fixes.install(self._redis, queue_name(shard))
@@ -105,7 +105,7 @@ class WorkerRuntime:
         rejoin(self._redis, self.shard)
         self._recorder.start()
         self.leases.start()
-        self.runner = BatchRunner(shard=self.shard, worker_name=self.name,
+        self.runner = MessageRunner(shard=self.shard, worker_name=self.name,
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder, prompts=self.prompts,
                                   max_attempts=self.settings.max_attempts,
@@ -132,7 +132,7 @@ class WorkerRuntime:
                                               reply=True, timeout=10)
 
     def _engine_died(self, error: BaseException) -> None:
-        # Exit without acknowledging anything: the batches in flight return to the queue
+        # Exit without acknowledging anything: the messages in flight return to the queue
         # when their leases run out, and a restarted worker runs them on a fresh engine.
         log.critical("shard %d: the engine died (%s); exiting so a restart can recover",
                      self.shard, error)
@@ -167,7 +167,7 @@ class WorkerRuntime:
                 log.warning("cancel listener lost Redis (%s); resubscribing", error)
                 self._stopped.wait(1.0)
 
-    def _abort_cancelled_in_store(self, runner: BatchRunner) -> None:
+    def _abort_cancelled_in_store(self, runner: MessageRunner) -> None:
         running = runner.running_jobs()
         if not running:
             return
@@ -202,7 +202,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         # when it connects (and every 5 s, for workers started later). Unwatched, they cost
         # the consumer thread CPU for every job, on cores the engine needs.
         worker_send_task_events=False,
-        # Batches keep running through a broker reconnect; their leases and idempotent
+        # Messages keep running through a broker reconnect; their leases and idempotent
         # result writes make a later redelivery harmless.
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
@@ -211,10 +211,10 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         hooks = HookChain([WorkerMetrics(shard), hooks])
     runtime = WorkerRuntime(settings, shard, hooks)
 
-    @app.task(name=RUN_BATCH_TASK, ignore_result=True, bind=True)
-    def run_batch(task: Any, payload: Any) -> dict[str, int]:
+    @app.task(name=RUN_MESSAGE_TASK, ignore_result=True, bind=True)
+    def run_message(task: Any, payload: Any) -> dict[str, int]:
         if runtime.runner is None:
-            raise RuntimeError("run_batch before the worker started its engine")
+            raise RuntimeError("run_message before the worker started its engine")
         request = task.request
         tag = (request.properties or {}).get("delivery_tag")
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
@@ -233,7 +233,7 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
             runtime.start()
         except Exception:
             # Celery logs and ignores errors in signal handlers; a worker without its engine
-            # must not consume (it would fail every batch), so leave at once instead.
+            # must not consume (it would fail every message), so leave at once instead.
             log.exception("shard %d: start-up failed; exiting", shard)
             os._exit(3)
 

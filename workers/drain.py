@@ -1,11 +1,11 @@
 """A worker's side of `jobsvc drain`: once its shard is flagged draining, it stops taking
-messages, lets the batches it runs finish, moves the jobs no batch of its claimed to live
+messages, lets the messages it runs finish, moves the jobs no message of its claimed to live
 shards (`jobsvc.departures`), and shuts down warm, with exit code 0.
 
 Routers leave a draining shard out within `LIVE_SET_SECONDS`; the worker waits that long
-before moving, and moves once more after its last batch, so that a job a producer routed
+before moving, and moves once more after its last message, so that a job a producer routed
 from a live set read just before the flag is not left behind. A move touches only jobs that
-no worker claimed, in one conditional update, so a job either runs here in a batch already
+no worker claimed, in one conditional update, so a job either runs here in a message already
 claimed or moves: never both."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jobsvc.workers.heartbeat import BatchActivity
 
 log = logging.getLogger(__name__)
 
-# How often the worker looks for its drain flag, and for its batches to end.
+# How often the worker looks for its drain flag, and for its messages to end.
 _CHECK_SECONDS = 1.0
 # What a broker, Redis or store outage raises while draining: the drain is tried again.
 _DRAIN_ERRORS = (redis.RedisError, SQLAlchemyError, OperationalError)
@@ -76,6 +76,6 @@ class DrainWatch:
             if stopped.wait(_CHECK_SECONDS):
                 return
         moved += self._mover.move_unclaimed(self._shard)
-        log.warning("shard %d drained: its batches ended and %d queued jobs moved to live "
+        log.warning("shard %d drained: its messages ended and %d queued jobs moved to live "
                     "shards; shutting down", self._shard, moved)
         self._shut_down()

@@ -1,8 +1,8 @@
 """The engine adapter: one resident vLLM AsyncLLM on its own event-loop thread.
 
-Celery task threads hand whole micro-batches over with one `run_coroutine_threadsafe` each;
+Celery task threads hand whole messages over with one `run_coroutine_threadsafe` each;
 inside the loop every job becomes its own request, started a chunk at a time at a steady pace,
-so the engine keeps admitting new work while earlier requests generate (no batch barrier).
+so the engine keeps admitting new work while earlier requests generate (no message barrier).
 vLLM is imported only here, after the worker has bound its device."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class EngineRequest:
     Tuples, not lists: the garbage collector stops tracking a tuple of ints the first time it
     meets one, while it walks every element of a live list at every collection. That first
     meeting still walks every element, so joined prompts are made one at a time between the
-    engine's own allocations: a young collection meets a few, not a whole batch (a batch of
+    engine's own allocations: a young collection meets a few, not a whole message (a message of
     joined prompts made at once makes the collection that meets them a long pause)."""
 
     job_id: str
@@ -48,7 +48,7 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class EngineResult:
-    """How one request ended in the engine, as the loop thread hands it back to the batch."""
+    """How one request ended in the engine, as the loop thread hands it back to the message."""
 
     job_id: str
     text: str | None
@@ -63,7 +63,7 @@ class EngineResult:
 
 @dataclass(frozen=True)
 class Pacing:
-    """How a batch's requests enter the engine: `chunk` at a time, `pause_seconds` apart.
+    """How a message's requests enter the engine: `chunk` at a time, `pause_seconds` apart.
     A chunk of 0 starts them all at once."""
 
     chunk: int = 0
@@ -126,14 +126,14 @@ def engine_args(settings: Settings) -> dict[str, Any]:
 
 class EngineAdapter:
     """Keeps vLLM's AsyncLLM on an event loop of its own, so that Celery's task threads (no event
-    loop of theirs) hand it batches and take results back."""
+    loop of theirs) hand it messages and take results back."""
 
     def __init__(self, engine_args: dict[str, Any], pacing: Pacing = Pacing(),
                  on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         self._engine_args = engine_args
-        # Read once per batch as the batch is admitted; a new value applies to later batches.
+        # Read once per message as the message is admitted; a new value applies to later messages.
         self.pacing = pacing
-        # Jobs of admitted batches whose requests wait for their chunk's turn, and those of
+        # Jobs of admitted messages whose requests wait for their chunk's turn, and those of
         # them cancelled meanwhile: a withdrawn job never reaches the engine. Loop thread only.
         self._waiting: set[str] = set()
         self._withdrawn: set[str] = set()
@@ -172,13 +172,13 @@ class EngineAdapter:
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
         # One tiny request walks every code path once, so the modules and caches it loads
         # lazily exist before the owner freezes the garbage collector's view of start-up.
-        await self._run_batch([EngineRequest("warm-up", (0, 1), (2,), {"max_tokens": 1})],
+        await self._run_group([EngineRequest("warm-up", (0, 1), (2,), {"max_tokens": 1})],
                               lambda _result: None)
 
     def submit(self, requests: Sequence[EngineRequest],
                on_result: Callable[[EngineResult], None]) -> concurrent.futures.Future[None]:
-        """Admit a batch; `on_result` is called on the loop thread as each job ends."""
-        return asyncio.run_coroutine_threadsafe(self._run_batch(requests, on_result), self._loop)
+        """Admit a message; `on_result` is called on the loop thread as each job ends."""
+        return asyncio.run_coroutine_threadsafe(self._run_group(requests, on_result), self._loop)
 
     def schedule(self, function: Callable[[Any], Coroutine[Any, Any, T]]
                  ) -> concurrent.futures.Future[T]:
@@ -220,13 +220,13 @@ class EngineAdapter:
             self._engine = None
         log.info("engine stopped in %.1f s", time.monotonic() - started)
 
-    async def _run_batch(self, requests: Sequence[EngineRequest],
+    async def _run_group(self, requests: Sequence[EngineRequest],
                          on_result: Callable[[EngineResult], None]) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._waiting.update(request.job_id for request in requests)
-        # Jobs in a batch usually share their sampling settings: build each distinct one once.
+        # Jobs in a message usually share their sampling settings: build each distinct one once.
         keys = [json.dumps(request.sampling, sort_keys=True) for request in requests]
         params: dict[str, Any] = {}
         for key, request in zip(keys, requests, strict=True):

@@ -1,5 +1,5 @@
 """The worker's heartbeat: every few seconds a thread writes what the worker is doing (engine
-ready, batches in flight, when the last one ended) to its shard's key in Redis
+ready, messages in flight, when the last one ended) to its shard's key in Redis
 (`jobsvc.health`), from the moment it starts its engine until it shuts down, when a last
 record says it stopped. `jobsvc status`, the server's /metrics and Flower read it."""
 
@@ -24,7 +24,7 @@ _REDIS_TIMEOUT_SECONDS = 3.0
 
 
 class BatchActivity:
-    """How many batches run now and when the last one ended; updated once per batch."""
+    """How many messages run now and when the last one ended; updated once per message."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -33,7 +33,7 @@ class BatchActivity:
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """Count a batch in flight while the block runs, and note when it ends."""
+        """Count a message in flight while the block runs, and note when it ends."""
         with self._lock:
             self._in_flight += 1
         try:
@@ -44,7 +44,7 @@ class BatchActivity:
                 self._last_finished = time.monotonic()
 
     def now(self) -> tuple[int, float | None]:
-        """Batches in flight, and seconds since the last one ended (None before one did)."""
+        """Messages in flight, and seconds since the last one ended (None before one did)."""
         with self._lock:
             in_flight, last = self._in_flight, self._last_finished
         return in_flight, None if last is None else time.monotonic() - last
@@ -93,7 +93,7 @@ class HeartbeatKeeper:
         return Heartbeat(shard=self._shard, worker=self._worker, host=self._host,
                          pid=os.getpid(), up_s=time.monotonic() - self._started,
                          engine_ready=self._engine_ready and not stopped,
-                         batches_in_flight=in_flight, last_batch_finished_s=since_last,
+                         messages_in_flight=in_flight, last_message_finished_s=since_last,
                          metrics_port=self._metrics_port, stopped=stopped)
 
     def _run(self) -> None:

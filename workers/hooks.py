@@ -1,5 +1,5 @@
 """Where instruments attach to a worker: a call when the worker is ready and when it stops, and
-one at each step of a batch's life (claimed, admitted to the engine, its jobs ended, finished).
+one at each step of a message's life (claimed, admitted to the engine, its jobs ended, finished).
 A worker calls the no-op `WorkerHooks` unless `JOBSVC_WORKER_HOOKS` names a factory of other
 hooks, imported at start-up; so the product carries no instrument, and a benchmark or a probe
 attaches from a package of its own. The worker's own metrics attach the same way, chained
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerContext:
     """What a ready worker lends its hooks: its shard, its started engine, the prompt builder
-    its batches use, and the window that holds collections off while work runs (work a hook
-    drives on the engine belongs inside it, as a batch does)."""
+    its messages use, and the window that holds collections off while work runs (work a hook
+    drives on the engine belongs inside it, as a message does)."""
 
     shard: int
     engine: EngineAdapter
@@ -34,8 +34,8 @@ class WorkerContext:
 
 
 @dataclass(frozen=True)
-class FinishedBatch:
-    """A batch whose results are all committed: the jobs it ran, as claimed, and how each
+class FinishedMessage:
+    """A message whose results are all committed: the jobs it ran, as claimed, and how each
     ended in the engine (in the order they ended)."""
 
     shard: int
@@ -45,8 +45,8 @@ class FinishedBatch:
 
 
 class WorkerHooks:
-    """Does nothing at every point; instruments override the points they need. The batch
-    points run on the batch's own thread, in its hot path: an override must be quick and must
+    """Does nothing at every point; instruments override the points they need. The message
+    points run on the message's own thread, in its hot path: an override must be quick and must
     not raise."""
 
     def on_start(self, worker: WorkerContext) -> None:
@@ -57,15 +57,15 @@ class WorkerHooks:
         or one suspect that runs alone (called only when there are any)."""
 
     def on_admit(self, jobs: int, admitted_at: float) -> None:
-        """A batch of `jobs` requests goes to the engine at `admitted_at` (`time.time()`)."""
+        """A message of `jobs` requests goes to the engine at `admitted_at` (`time.time()`)."""
 
-    def on_batch_end(self, jobs: int, admitted_at: float) -> None:
-        """Every result of the batch admitted at `admitted_at` is committed; its message is
+    def on_message_end(self, jobs: int, admitted_at: float) -> None:
+        """Every result of the message admitted at `admitted_at` is committed; its message is
         acknowledged next."""
 
-    def on_jobs_finished(self, batch: FinishedBatch) -> None:
-        """The batch's jobs ended and their results are committed (called before
-        `on_batch_end`, for batches that ran any job)."""
+    def on_jobs_finished(self, message: FinishedMessage) -> None:
+        """The message's jobs ended and their results are committed (called before
+        `on_message_end`, for messages that ran any job)."""
 
     def on_stop(self) -> None:
         """The worker shuts down."""
@@ -92,15 +92,15 @@ class HookChain(WorkerHooks):
         for hooks in self._hooks:
             hooks.on_admit(jobs, admitted_at)
 
-    def on_jobs_finished(self, batch: FinishedBatch) -> None:
+    def on_jobs_finished(self, message: FinishedMessage) -> None:
         """Call every hook's `on_jobs_finished`."""
         for hooks in self._hooks:
-            hooks.on_jobs_finished(batch)
+            hooks.on_jobs_finished(message)
 
-    def on_batch_end(self, jobs: int, admitted_at: float) -> None:
-        """Call every hook's `on_batch_end`."""
+    def on_message_end(self, jobs: int, admitted_at: float) -> None:
+        """Call every hook's `on_message_end`."""
         for hooks in self._hooks:
-            hooks.on_batch_end(jobs, admitted_at)
+            hooks.on_message_end(jobs, admitted_at)
 
     def on_stop(self) -> None:
         """Call every hook's `on_stop`."""

@@ -1,10 +1,10 @@
-"""Turns at the engine: batches share it, a group of suspects has it alone.
+"""Turns at the engine: messages share it, a group of suspects has it alone.
 
 A suspect is a job whose earlier delivery died with its engine. Whichever job of that engine
 killed it, suspects run in groups with nothing else in the engine, and a group that kills it
 runs again in halves (see `suspect_groups`): innocents finish in few, large groups while the
 culprit's group shrinks until it runs alone and is the one to blame, so no job is failed for
-the company it kept. A group waiting for its turn keeps new batches out, so it is not starved
+the company it kept. A group waiting for its turn keeps new messages out, so it is not starved
 by a steady stream of them."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _charged_level(level: int, size: int, batch_size: int) -> int:
 
 
 class EngineTurns:
-    """Gives the engine to batches together or to one suspect group alone, so a job that kills the
+    """Gives the engine to messages together or to one suspect group alone, so a job that kills the
     engine takes no innocent job down with it."""
 
     def __init__(self) -> None:
@@ -77,7 +77,7 @@ class EngineTurns:
 
     @contextmanager
     def shared(self) -> Iterator[None]:
-        """Run a batch beside other batches, unless a suspect group has or waits for the
+        """Run a message beside other messages, unless a suspect group has or waits for the
         engine."""
         with self._changed:
             self._changed.wait_for(lambda: not self._alone and not self._waiting_alone)

@@ -1,8 +1,8 @@
-"""Lease renewal for the batches a worker is running.
+"""Lease renewal for the messages a worker is running.
 
 kombu's Redis transport redelivers a message once it has been unacknowledged for longer than
-the visibility timeout. A short timeout brings a crashed worker's batches back quickly, but
-would also redeliver a long batch that is still running; so a live worker re-scores the
+the visibility timeout. A short timeout brings a crashed worker's messages back quickly, but
+would also redeliver a long message that is still running; so a live worker re-scores the
 messages it runs every third of the timeout, and only a dead worker's leases run out."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    """Renews the leases of the messages this worker runs, so a batch longer than the visibility
+    """Renews the leases of the messages this worker runs, so a message longer than the visibility
     timeout is not delivered again while it still runs."""
 
     def __init__(self, client: redis.Redis, visibility_timeout: float) -> None:

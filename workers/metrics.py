@@ -3,7 +3,7 @@
 them in the process's default registry because the worker runs it with stats on) beside the
 worker's counts of the jobs it ran.
 
-They are updated once per batch, after its results are committed, through the worker's hooks:
+They are updated once per message, after its results are committed, through the worker's hooks:
 nothing per token, a few additions and two histogram observations per job."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from jobsvc.exposition import serve_registry
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
-from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
+from jobsvc.wire import JobStatus
+from jobsvc.workers.hooks import FinishedMessage, WorkerHooks
 
 log = logging.getLogger(__name__)
 
 # Seconds: from a fraction of a second on an idle worker to an hour behind a backlog.
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
-_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_MESSAGE_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def metrics_port(settings: Settings, shard: int) -> int | None:
@@ -75,13 +75,13 @@ class WorkerMetrics(WorkerHooks):
         self._estimated_prefill, self._actual_prefill = (
             tokens["estimated_prefill"].labels(self._shard),
             tokens["actual_prefill"].labels(self._shard))
-        self._batch_seconds = Histogram(
-            "jobsvc_batch_duration_seconds", "From a micro-batch's admission to the engine "
+        self._message_seconds = Histogram(
+            "jobsvc_message_duration_seconds", "From a message's admission to the engine "
             "to its last job's end", labels, buckets=_LATENCY_BUCKETS,
             registry=registry).labels(self._shard)
-        self._batch_jobs = Histogram(
-            "jobsvc_batch_jobs", "Jobs per micro-batch run", labels,
-            buckets=_BATCH_SIZE_BUCKETS, registry=registry).labels(self._shard)
+        self._message_jobs = Histogram(
+            "jobsvc_message_jobs", "Jobs per message run", labels,
+            buckets=_MESSAGE_SIZE_BUCKETS, registry=registry).labels(self._shard)
         self._queue_wait = Histogram(
             "jobsvc_queue_wait_seconds", "From a job's submit to its admission to the engine",
             labels, buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
@@ -90,12 +90,12 @@ class WorkerMetrics(WorkerHooks):
             "(its result is committed within about a second)", labels,
             buckets=_LATENCY_BUCKETS, registry=registry).labels(self._shard)
 
-    def on_jobs_finished(self, batch: FinishedBatch) -> None:
-        """Count the batch's jobs and tokens, and how far the router's prefill estimate was off."""
-        jobs = {job.job_id: job for job in batch.jobs}
-        succeeded = [result for result in batch.results if result.error is None]
+    def on_jobs_finished(self, message: FinishedMessage) -> None:
+        """Count the message's jobs and tokens, and how far the prefill estimate was off."""
+        jobs = {job.job_id: job for job in message.jobs}
+        succeeded = [result for result in message.results if result.error is None]
         self._succeeded.inc(len(succeeded))
-        self._failed.inc(len(batch.results) - len(succeeded))
+        self._failed.inc(len(message.results) - len(succeeded))
         prompt = sum(result.prompt_tokens for result in succeeded)
         cached = sum(result.cached_tokens for result in succeeded)
         self._prompt.inc(prompt)
@@ -104,12 +104,12 @@ class WorkerMetrics(WorkerHooks):
         self._estimated_prefill.inc(
             sum(jobs[result.job_id].estimated_prefill for result in succeeded))
         self._actual_prefill.inc(prompt - cached)
-        self._batch_jobs.observe(len(batch.results))
-        self._batch_seconds.observe(
-            max(0.0, max(result.finished_at for result in batch.results) - batch.admitted_at))
-        for result in batch.results:
+        self._message_jobs.observe(len(message.results))
+        self._message_seconds.observe(
+            max(0.0, max(result.finished_at for result in message.results) - message.admitted_at))
+        for result in message.results:
             submitted_at = _epoch(jobs[result.job_id].submitted_at)
-            self._queue_wait.observe(max(0.0, batch.admitted_at - submitted_at))
+            self._queue_wait.observe(max(0.0, message.admitted_at - submitted_at))
             self._submit_to_result.observe(max(0.0, result.finished_at - submitted_at))
 
 

@@ -1,10 +1,10 @@
 """Records finished jobs off the engine's path: one thread gathers finished results, writes
 them in one transaction per gathering, returns the load of the jobs that write ended (as the
 store recorded it, never as a message said), tells the router how its
-cache estimates for them held up, and only then releases the batch that waits for them (its
+cache estimates for them held up, and only then releases the message that waits for them (its
 message is acknowledged after that, so nothing finished is lost).
 
-The thread wakes twice per gathering (its first result, and the result that completes a batch
+The thread wakes twice per gathering (its first result, and the result that completes a message
 or the end of the gathering window), not once per job: on a host whose cores the engine keeps
 busy, every wakeup outside the engine preempts one of the engine's threads, and a step waits
 for all of them."""
@@ -18,27 +18,27 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from jobsvc.routing.cost import loads_per_shard
 from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.job_cost import loads_per_shard
 from jobsvc.routing.state import ShardState
 from jobsvc.store import JobOutcome, Store
 
 log = logging.getLogger(__name__)
 
-# At most this many items (results, batch statistics, load returns) go into one write.
+# At most this many items (results, message statistics, load returns) go into one write.
 _MAX_GATHERED = 1024
-# How long a write waits for more results after its first, unless a batch completes sooner.
+# How long a write waits for more results after its first, unless a message completes sooner.
 # A burst's jobs finish a few per engine step, and each write costs a transaction of several
 # round trips in the worker and in PostgreSQL whatever it holds, so gathering cuts the writes
-# and their CPU, which is taken from the engine. A batch's slot is held until its last result
-# is written, so the write that completes a batch goes at once; this bound only delays the
-# results of jobs whose batch is still generating.
+# and their CPU, which is taken from the engine. A message's slot is held until its last result
+# is written, so the write that completes a message goes at once; this bound only delays the
+# results of jobs whose message is still generating.
 _GATHER_SECONDS = 1.0
 _RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 
 
 class Completion:
-    """Counts down as a batch's jobs finish, and as their results are committed."""
+    """Counts down as a message's jobs finish, and as their results are committed."""
 
     def __init__(self, jobs: int) -> None:
         self._unfinished = jobs
@@ -49,20 +49,20 @@ class Completion:
             self._done.set()
 
     def finished(self) -> bool:
-        """Count one job finished; True if it was the batch's last."""
+        """Count one job finished; True if it was the message's last."""
         with self._lock:
             self._unfinished -= 1
             return self._unfinished == 0
 
     def committed(self, jobs: int) -> None:
-        """Count `jobs` of the batch's results committed; the last one lets the batch return."""
+        """Count `jobs` of the message's results committed; the last one lets the message return."""
         with self._lock:
             self._uncommitted -= jobs
             if self._uncommitted <= 0:
                 self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for every result of the batch to be committed; false if `timeout` passed first."""
+        """Wait for every result of the message to be committed; false if `timeout` passed first."""
         return self._done.wait(timeout)
 
 
@@ -98,7 +98,7 @@ class ResultRecorder:
         self._feedback = feedback
         self._block_size = block_size
         self._gathered: list[tuple[str, Any]] = []
-        self._batch_completed = False
+        self._message_completed = False
         self._stopping = False
         self._wake = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name="result-recorder", daemon=True)
@@ -116,29 +116,29 @@ class ResultRecorder:
 
     def job_finished(self, outcome: JobOutcome, shard: int, check: CacheCheck,
                      completion: Completion) -> None:
-        """Hand over a job's outcome to be written; its batch counts it once it is committed."""
+        """Hand over a job's outcome to be written; its message counts it once it is committed."""
         self._gather(("job", (outcome, shard, check, completion)),
-                     completes_batch=completion.finished())
+                     completes_message=completion.finished())
 
     def jobs_started(self, job_ids: list[str], started_at: datetime) -> None:
         """Jobs admitted to the engine: they show as running from the next write on."""
         self._gather(("started", (job_ids, started_at)))
 
-    def batch_finished(self, row: dict[str, Any]) -> None:
-        """Hand over a batch's stats row (`batch_stats`) to be written with the next results."""
-        self._gather(("batch", row))
+    def message_finished(self, row: dict[str, Any]) -> None:
+        """Hand over a message's stats row (`batch_stats`) to be written with the next results."""
+        self._gather(("message", row))
 
     def release_load(self, releases: dict[int, int]) -> None:
         """Return the load of jobs that ended without running (failed at their claim)."""
         if releases:
             self._gather(("release", releases))
 
-    def _gather(self, item: tuple[str, Any], completes_batch: bool = False) -> None:
+    def _gather(self, item: tuple[str, Any], completes_message: bool = False) -> None:
         with self._wake:
             self._gathered.append(item)
-            self._batch_completed = self._batch_completed or completes_batch
+            self._message_completed = self._message_completed or completes_message
             # The recorder sleeps until a gathering starts, then until it must write.
-            if (len(self._gathered) == 1 or completes_batch
+            if (len(self._gathered) == 1 or completes_message
                     or len(self._gathered) >= _MAX_GATHERED):
                 self._wake.notify()
 
@@ -146,11 +146,11 @@ class ResultRecorder:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._gathered or self._stopping)
-                # A batch waits on the write that completes it: that one goes at once.
-                self._wake.wait_for(lambda: self._batch_completed or self._stopping
+                # A message waits on the write that completes it: that one goes at once.
+                self._wake.wait_for(lambda: self._message_completed or self._stopping
                                     or len(self._gathered) >= _MAX_GATHERED,
                                     timeout=self._gather_seconds)
-                items, self._gathered, self._batch_completed = self._gathered, [], False
+                items, self._gathered, self._message_completed = self._gathered, [], False
                 stopping = self._stopping
             pending = _Pending()
             for item in items:
@@ -161,7 +161,7 @@ class ResultRecorder:
 
     def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
         kind, payload = item
-        if kind == "batch":
+        if kind == "message":
             pending.batch_stats.append(payload)
             return
         if kind == "started":

@@ -24,8 +24,8 @@ from jobsvc import compression
 from jobsvc.batchapi.ingest import LineOutcome
 from jobsvc.batchapi.listing import page_rows
 from jobsvc.batchapi.tables import BatchLine, BatchRow
-from jobsvc.schema import ACTIVE_STATUSES, JobStatus
 from jobsvc.store import Job, Result, utcnow
+from jobsvc.wire import ACTIVE_STATUSES, JobStatus
 
 # The one completion window a batch may ask for (OpenAI's).
 COMPLETION_WINDOW = "24h"

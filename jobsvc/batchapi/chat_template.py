@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jobsvc.batchapi.requests import LineError
+from jobsvc.batchapi.line_requests import LineError
 
 PARAGRAPH_BREAK = "\n\n"
 # Stands in for the last message's content, to find where the template puts it.

@@ -59,9 +59,9 @@ from jobsvc.batchapi.output_lines import (
 )
 from jobsvc.client import Client
 from jobsvc.errors import BROKER_ERRORS, BrokerUnavailable, StorageUnavailable
-from jobsvc.schema import JobStatus, storable
 from jobsvc.settings import Settings
 from jobsvc.store import utcnow
+from jobsvc.wire import JobStatus, storable
 
 log = logging.getLogger(__name__)
 

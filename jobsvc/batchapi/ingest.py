@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.batchapi.chat_template import ChatTemplate, SplitPrompt, split_prompt
-from jobsvc.batchapi.lines import RequestLine
-from jobsvc.batchapi.requests import (
+from jobsvc.batchapi.line_requests import (
     CHAT_ENDPOINT,
     ChatRequest,
     LineError,
     parse_request,
 )
+from jobsvc.batchapi.lines import RequestLine
 from jobsvc.client import Client, PreparedJob
 from jobsvc.prompts import PromptBuilder
 

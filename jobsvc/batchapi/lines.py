@@ -4,7 +4,7 @@ request of the batch (a JSON object with a `custom_id` of its own, `method` POST
 named. A line the server cannot safely take apart or keep (longer than any request the
 model's context holds, nested too deep, or with text PostgreSQL and the tokenizer refuse) is
 refused alone, before it is parsed or stored, as long as its custom_id can be read; what a
-request asks for is checked later, line by line (`jobsvc.batchapi.requests`).
+request asks for is checked later, line by line (`jobsvc.batchapi.line_requests`).
 Pure: bytes in, values out."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobsvc.batchapi.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, LineError
-from jobsvc.schema import storable, text_fault
+from jobsvc.batchapi.line_requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, LineError
+from jobsvc.wire import storable, text_fault
 
 # OpenAI's limit on requests in one batch file.
 MAX_LINES = 50_000

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from jobsvc.batchapi.requests import CHAT_ENDPOINT
+from jobsvc.batchapi.line_requests import CHAT_ENDPOINT
 
 ENDED_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request finished.",

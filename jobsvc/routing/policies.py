@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.routing.cost import DocumentDemand, Route, RoutingJob
+from jobsvc.routing.job_cost import DocumentDemand, Route, RoutingJob
 
 # Prefill tokens one unit of outstanding work is worth. At 1 (work counted in prefill tokens)
 # the cost would be when this job's prefill ends on the shard, the best choice for this job

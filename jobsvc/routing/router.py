@@ -35,7 +35,7 @@ from jobsvc.keys import (
     ROUTING_LOCK_KEY,
     cache_key,
 )
-from jobsvc.routing.cost import (
+from jobsvc.routing.job_cost import (
     DEFAULT_CAPACITY_BLOCKS,
     DocumentDemand,
     Route,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from jobsvc.keys import AFFINITY_KEY, LOAD_KEY
-from jobsvc.routing.cost import DocumentDemand, loads_per_shard
+from jobsvc.routing.job_cost import DocumentDemand, loads_per_shard
 from jobsvc.routing.policies import Placement
 
 # Lowers a shard's load without going below zero (a counter lost with a Redis restart

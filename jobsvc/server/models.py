@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel
 
 from jobsvc.batchapi.batchstore import BatchRecord, Tally
 from jobsvc.batchapi.filestore import FileRecord
-from jobsvc.schema import text_fault
+from jobsvc.wire import text_fault
 
 
 def _storable(value: str) -> str:

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from jobsvc.bench.standalone import STAGGERED_PACING, staggered_pacing
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
-from jobsvc.local import LocalWorkers
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
+from jobsvc.wire import JobStatus
 from jobsvc.workers.engine import Pacing, gather_paced
 from tests.support.waiting import until
 from tests.support.worker_control import set_pacing

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
-from jobsvc.local import LocalWorkers
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 from tests.support.worker_control import ask_worker, set_pacing

@@ -20,12 +20,12 @@ import redis
 from sqlalchemy import func, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
+from jobsvc.child_processes import WorkerStartError, settings_environment
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.keys import queue_name
-from jobsvc.local import WorkerStartError, settings_environment
-from jobsvc.schema import BatchMessage
 from jobsvc.store import Job, utcnow
 from jobsvc.transport import make_celery, publish
+from jobsvc.wire import QueueMessage
 from jobsvc.workers.celery_app import EXIT_ENGINE_DEAD
 from jobsvc.workloads import document_questions
 from tests.support.engine_killer import KILLER_PREFIX
@@ -106,7 +106,7 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
     job_ids = {key: uuid.uuid4().hex for key in documents}
     first = next(iter(job_ids))
     job_ids[first] = first_id + job_ids[first][len(first_id):]
-    message = BatchMessage(0, list(job_ids.values()), uuid.uuid4().hex)
+    message = QueueMessage(0, list(job_ids.values()), uuid.uuid4().hex)
     harness.store.record_submitted(
         [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
           "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()],
@@ -303,7 +303,7 @@ def test_a_job_that_kills_its_engine_fails_alone_and_what_piles_up_meanwhile_run
     for item in broker.lrange(queue, 0, -1):
         broker.lpush(queue, item, item, item)
     # A message of our own format naming real jobs, not theirs: it must run nothing.
-    publish(make_celery(harness.settings), [BatchMessage(0, list(asked), uuid.uuid4().hex)])
+    publish(make_celery(harness.settings), [QueueMessage(0, list(asked), uuid.uuid4().hex)])
     broker.lpush(queue, b"not json at all", b"[1,2,3]")
     # Killed again by the culprit's message, with nothing else in the engine; then by the
     # culprit alone.

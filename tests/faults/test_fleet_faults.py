@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from jobsvc import Client
+from jobsvc.child_processes import LocalWorkers, settings_environment
 from jobsvc.health import read_heartbeats
 from jobsvc.keys import DRAINING_KEY
-from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 from jobsvc.workloads import document_questions
 from tests.support.environment import TEST_WORKER_NICE
@@ -102,7 +102,7 @@ def test_a_worker_killed_for_good_mid_burst_strands_nothing_and_a_new_shard_join
     worker = fleet.process_of(dead)
     ids = _burst(client, 16, seed=301, max_tokens=16)
     # Frozen the moment its burst is out (then killed for good), so that the dead worker
-    # leaves batches in flight and queued however fast this machine runs them.
+    # leaves messages in flight and queued however fast this machine runs them.
     os.kill(worker.pid, signal.SIGSTOP)
     routed = _shards(client, ids)
     assert sum(shard == dead for shard in routed.values()) > 4 * 2

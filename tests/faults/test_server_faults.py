@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from jobsvc.local import ServerProcess
+from jobsvc.child_processes import ServerProcess
 from jobsvc.settings import Settings
 from tests.support.batch_server import API_KEY, openai_client, server_process
 from tests.support.environment import FAULT_TABLE

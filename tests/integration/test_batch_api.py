@@ -22,9 +22,9 @@ from sqlalchemy import func, select
 from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.lines import RequestLine
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.keys import queue_name
-from jobsvc.local import LocalWorkers
 from jobsvc.prompts import PromptBuilder
 from jobsvc.runbatch import run_batch
 from jobsvc.settings import Settings

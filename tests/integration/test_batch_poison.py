@@ -23,9 +23,9 @@ from sqlalchemy import func, select
 from jobsvc.batchapi.batchstore import BatchStore
 from jobsvc.batchapi.filestore import FileStore
 from jobsvc.batchapi.tables import BatchRow
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.errors import InvalidJob
-from jobsvc.local import LocalWorkers
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store
 from tests.integration.test_batch_api import (

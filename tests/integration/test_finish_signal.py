@@ -12,9 +12,9 @@ from sqlalchemy import update
 
 from jobsvc import Client
 from jobsvc.finish_signal import NOTIFIED_CHECK_SECONDS, finished_count
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, JobOutcome, Store, utcnow
+from jobsvc.wire import JobStatus
 from tests.support.jobs import claim
 
 pytestmark = pytest.mark.integration

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 def _beat(client: redis.Redis, shard: int) -> None:
     write_heartbeat(client, Heartbeat(
         shard=shard, worker=f"shard{shard}@test", host="test", pid=os.getpid(), up_s=1.0,
-        engine_ready=True, batches_in_flight=0, last_batch_finished_s=None, metrics_port=None))
+        engine_ready=True, messages_in_flight=0, last_message_finished_s=None, metrics_port=None))
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "affinity", "cache_aware"])

@@ -26,14 +26,14 @@ import pytest
 import redis
 
 from jobsvc import Client, JobStatus
+from jobsvc.child_processes import LocalWorkers, settings_environment
 from jobsvc.compression import pack_tokens
 from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.keys import queue_name
-from jobsvc.local import LocalWorkers, settings_environment
-from jobsvc.schema import BatchMessage
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
 from jobsvc.transport import make_celery, publish
+from jobsvc.wire import QueueMessage
 from tests.support.browser import chromium_page
 from tests.support.environment import free_port
 from tests.support.waiting import until
@@ -122,7 +122,7 @@ def test_flower_lists_the_worker_its_shard_queue_and_the_batches_it_ran(
                     timeout=60)
         tasks = _get(f"{flower}/api/tasks").values()
         return [task for task in tasks
-                if task["name"] == "jobsvc.run_batch" and task["state"] == "SUCCESS"]
+                if task["name"] == "jobsvc.run_message" and task["state"] == "SUCCESS"]
 
     succeeded = _until("a succeeded batch", batch_events)
     assert "'jobs': 1" in succeeded[0]["result"]
@@ -202,7 +202,7 @@ def test_flower_without_a_password_starts_only_when_opened_on_loopback(
 def _message_with_a_failing_job(settings: Settings, store: Store) -> list[str]:
     """One message of two jobs recorded by hand: one the engine runs, one whose prompt holds a
     token the model does not have, which the engine refuses; their IDs."""
-    message = BatchMessage(0, [uuid.uuid4().hex, uuid.uuid4().hex], uuid.uuid4().hex)
+    message = QueueMessage(0, [uuid.uuid4().hex, uuid.uuid4().hex], uuid.uuid4().hex)
     tokens = {message.job_ids[0]: [7, 8, 9], message.job_ids[1]: [1, 2, 10_000_000]}
     store.record_submitted(
         [{"key": job_id, "text_zst": b"", "tokens_zst": pack_tokens(ids), "tokens": 3,
@@ -225,7 +225,7 @@ def test_flower_in_a_browser_shows_real_workers_the_broker_url_as_set_and_failed
         assert [record.status for record in records] == [JobStatus.SUCCEEDED, JobStatus.FAILED]
         return any("'failed': 1" in (task.get("result") or "")
                    for task in _get(f"{flower}/api/tasks").values()
-                   if task["name"] == "jobsvc.run_batch")
+                   if task["name"] == "jobsvc.run_message")
 
     _until("a message whose job failed", failed_in_flower)
     basic = base64.b64encode(CREDENTIALS.encode()).decode()

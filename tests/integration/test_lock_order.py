@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import func, select
 
 from jobsvc import Client
-from jobsvc.schema import FINISHED_STATUSES, JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Result, Store, utcnow
+from jobsvc.wire import FINISHED_STATUSES, JobStatus
 from tests.support.jobs import record_queued_job
 
 pytestmark = pytest.mark.integration

@@ -18,10 +18,10 @@ import pytest
 import redis
 
 from jobsvc import Client
+from jobsvc.child_processes import LocalWorkers, settings_environment
 from jobsvc.fleet import FleetReader
 from jobsvc.health import KEEP_SECONDS, read_heartbeats
 from jobsvc.keys import LOAD_KEY, heartbeat_key, queue_name
-from jobsvc.local import LocalWorkers, settings_environment
 from jobsvc.metrics import fleet_registry
 from jobsvc.settings import Settings
 from jobsvc.store import Store
@@ -172,16 +172,16 @@ def test_a_heartbeat_says_what_the_worker_does_and_that_it_stopped(
     keeper.start(metrics_port=None)
     starting = until("the first heartbeat", lambda: read_heartbeats(broker).get(23))
     assert starting.alive and not starting.healthy
-    assert starting.heartbeat.last_batch_finished_s is None
+    assert starting.heartbeat.last_message_finished_s is None
     with activity.running():
         keeper.engine_started()
         running = read_heartbeats(broker)[23]
-        assert running.healthy and running.heartbeat.batches_in_flight == 1
+        assert running.healthy and running.heartbeat.messages_in_flight == 1
     keeper.stop()
     stopped = read_heartbeats(broker)[23]
     assert stopped.heartbeat.stopped and not stopped.alive
-    assert stopped.heartbeat.batches_in_flight == 0
-    assert stopped.heartbeat.last_batch_finished_s is not None
+    assert stopped.heartbeat.messages_in_flight == 0
+    assert stopped.heartbeat.last_message_finished_s is not None
     assert 0 < broker.ttl(heartbeat_key(23)) <= KEEP_SECONDS
 
 

@@ -12,10 +12,10 @@ import redis
 from sqlalchemy import select, update
 
 from jobsvc import Client, JobNotFound, JobStatus
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.compression import decompress, decompress_text, is_zstd_frame
 from jobsvc.keys import LOAD_KEY, queue_name
-from jobsvc.local import LocalWorkers
-from jobsvc.routing.cost import decode_load
+from jobsvc.routing.job_cost import decode_load
 from jobsvc.routing.state import loads_of
 from jobsvc.settings import Settings
 from jobsvc.store import Document, Job, Result, Store, utcnow

@@ -14,8 +14,8 @@ from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
 from jobsvc.keys import ALL_QUEUES_PATTERN
-from jobsvc.schema import SAMPLING_KEYS, JobLimits, validate_job
 from jobsvc.store import Job, Store
+from jobsvc.wire import SAMPLING_KEYS, JobLimits, validate_job
 
 pytestmark = pytest.mark.integration
 

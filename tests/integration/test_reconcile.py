@@ -15,10 +15,10 @@ from sqlalchemy import update
 from jobsvc import Client
 from jobsvc.keys import LOAD_KEY, UNACKED_KEY, queue_name
 from jobsvc.reconcile import Reconciler, message_ids
-from jobsvc.schema import BatchMessage, JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store, utcnow
 from jobsvc.transport import make_celery
+from jobsvc.wire import JobStatus, QueueMessage
 from tests.support.environment import TEST_DATABASE, recreate_database
 from tests.support.jobs import record_queued_job
 
@@ -39,10 +39,10 @@ def reconciling(routing_settings: Settings) -> Iterator[tuple[Settings, Store, R
     broker.flushdb()
 
 
-def _queued_messages(settings: Settings, shard: int) -> list[BatchMessage]:
+def _queued_messages(settings: Settings, shard: int) -> list[QueueMessage]:
     broker = redis.Redis.from_url(settings.redis_url)
     raw = broker.lrange(queue_name(shard), 0, -1)
-    return [BatchMessage(shard, [], task_id) for task_id in message_ids(raw)]
+    return [QueueMessage(shard, [], task_id) for task_id in message_ids(raw)]
 
 
 def _age(store: Store, job_ids: list[str], seconds: float) -> None:

@@ -15,9 +15,9 @@ import redis
 
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.state import ShardState
-from jobsvc.schema import JobStatus
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.wire import JobStatus
 from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 from tests.support.jobs import claim
 

@@ -15,11 +15,11 @@ import zstandard
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.compression import KOMBU_CODEC
 from jobsvc.keys import AFFINITY_KEY, ALL_QUEUES_PATTERN, dead_letter_key, queue_name
-from jobsvc.local import LocalWorkers
 from jobsvc.store import Job, Store
-from jobsvc.transport import RUN_BATCH_TASK
+from jobsvc.transport import RUN_MESSAGE_TASK
 from jobsvc.workloads import document, question
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def _push_raw(url: str, queue: str, envelope: dict[str, Any]) -> None:
     redis.Redis.from_url(url).lpush(queue, json.dumps(envelope))
 
 
-def _envelope(body: str, content_type: str, task: str = RUN_BATCH_TASK,
+def _envelope(body: str, content_type: str, task: str = RUN_MESSAGE_TASK,
               encoding: str = "utf-8") -> dict[str, Any]:
     """A kombu/Celery message envelope as the Redis transport stores it."""
     task_id = str(uuid.uuid4())

@@ -11,8 +11,8 @@ import redis
 
 from jobsvc import Client
 from jobsvc.keys import CAPACITY_KEY, LOAD_KEY, cache_key, queue_name
-from jobsvc.routing.cost import Route, RoutingJob
 from jobsvc.routing.feedback import CacheFeedback
+from jobsvc.routing.job_cost import Route, RoutingJob
 from jobsvc.routing.policies import POLICIES
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import ROUTERS, Router, make_router, reset_routing_state

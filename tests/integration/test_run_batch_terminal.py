@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobsvc.local import LocalWorkers, settings_environment
+from jobsvc.child_processes import LocalWorkers, settings_environment
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 from tests.support.terminal import Pane, bars, until_shown, watch

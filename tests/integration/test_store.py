@@ -12,8 +12,8 @@ from sqlalchemy import event, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from jobsvc.compression import compress, pack_tokens
-from jobsvc.schema import BatchMessage, JobStatus
 from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
+from jobsvc.wire import JobStatus, QueueMessage
 from tests.support.jobs import TEST_MESSAGE, claim, queued_job_row, record_queued_job
 
 pytestmark = pytest.mark.integration
@@ -29,11 +29,11 @@ def test_a_group_charge_raises_its_members_isolation_and_only_a_run_alone_is_an_
         store: Store, queued_job: Callable[[], str]) -> None:
     first, second, third, bystander = (queued_job() for _ in range(4))
     group = [first, second, third]
-    claimed = store.claim_batch([*group, bystander], message_id=TEST_MESSAGE, shard=0,
+    claimed = store.claim_message([*group, bystander], message_id=TEST_MESSAGE, shard=0,
                                 redelivered=False, worker="w", max_attempts=3)
     assert [(job.suspect, job.isolation) for job in claimed.jobs] == [(False, 0)] * 4
     assert store.charge_isolated(group, 3) == set(group)
-    again = store.claim_batch([*group, bystander], message_id=TEST_MESSAGE, shard=0,
+    again = store.claim_message([*group, bystander], message_id=TEST_MESSAGE, shard=0,
                               redelivered=True, worker="w", max_attempts=3)
     assert [(job.job_id, job.suspect, job.isolation) for job in again.jobs] == [
         (first, True, 3), (second, True, 3), (third, True, 3), (bystander, True, 0)]
@@ -51,12 +51,12 @@ def test_a_group_charge_raises_its_members_isolation_and_only_a_run_alone_is_an_
 def test_a_job_that_stopped_its_engine_alone_max_attempts_times_ends_failed_with_the_reason(
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id, mate = queued_job(), queued_job()
-    first = store.claim_batch([job_id, mate], message_id=TEST_MESSAGE, shard=0,
+    first = store.claim_message([job_id, mate], message_id=TEST_MESSAGE, shard=0,
                               redelivered=False, worker="w", max_attempts=3)
     assert [job.suspect for job in first.jobs] == [False, False]
     # Deliveries that died in company, or in a group of several, charge no attempt.
     for level in range(1, 5):
-        again = store.claim_batch([job_id], message_id=TEST_MESSAGE, shard=0,
+        again = store.claim_message([job_id], message_id=TEST_MESSAGE, shard=0,
                                   redelivered=True, worker="w", max_attempts=3)
         assert [(job.job_id, job.suspect) for job in again.jobs] == [(job_id, True)]
         assert store.charge_isolated([job_id, mate], level) == {job_id, mate}
@@ -323,7 +323,7 @@ def test_a_claim_reads_the_recorded_question_tokens_or_else_the_question_text(
         store: Store) -> None:
     tokens, text = record_queued_job(store, question_tokens_zst=pack_tokens([9, 8])), \
         record_queued_job(store, question_tokens_zst=b"not a frame")
-    claimed = store.claim_batch([tokens, text], message_id=TEST_MESSAGE, shard=0,
+    claimed = store.claim_message([tokens, text], message_id=TEST_MESSAGE, shard=0,
                                 redelivered=False, worker="w", max_attempts=3)
     assert {job.job_id: job.question for job in claimed.jobs} == {tokens: (9, 8), text: "q"}
 
@@ -340,7 +340,7 @@ def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: St
     claim(store, [exhausted])
     for level in range(1, 4):
         store.charge_isolated([exhausted], level)
-    given_up = store.claim_batch([exhausted], message_id=TEST_MESSAGE, shard=0,
+    given_up = store.claim_message([exhausted], message_id=TEST_MESSAGE, shard=0,
                                  redelivered=True, worker="w", max_attempts=3)
     assert (given_up.jobs, given_up.released) == ([], {0: 40})
 
@@ -356,7 +356,7 @@ def test_stranded_jobs_are_unfinished_ones_sent_before_the_grace_whose_message_i
     stranded = store.stranded_jobs(cutoff, ["live"], 10_000).get(0, [])
     assert lost in stranded
     assert not {live, young, finished} & set(stranded)
-    store.assign_messages([BatchMessage(0, [lost, finished], "resent")])
+    store.assign_messages([QueueMessage(0, [lost, finished], "resent")])
     records = store.get_many([lost, finished])
     assert (records[lost].status, records[finished].status) == (
         JobStatus.QUEUED, JobStatus.CANCELLED)
@@ -388,7 +388,7 @@ def test_a_claim_returns_its_jobs_in_the_order_the_message_gave_them(store: Stor
     # them together, whatever order the database finds the rows in.
     job_ids = [record_queued_job(store) for _ in range(12)]
     given = job_ids[::2] + job_ids[1::2][::-1]
-    claimed = store.claim_batch(given, message_id=TEST_MESSAGE, shard=0, redelivered=False,
+    claimed = store.claim_message(given, message_id=TEST_MESSAGE, shard=0, redelivered=False,
                                 worker="w", max_attempts=3)
     assert [job.job_id for job in claimed.jobs] == given
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import uvicorn
 
-from jobsvc.local import ServerProcess
+from jobsvc.child_processes import ServerProcess
 from jobsvc.server.app import create_app
 from jobsvc.settings import Settings
 from tests.support.environment import free_port

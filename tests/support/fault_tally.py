@@ -16,7 +16,7 @@ import psutil
 from sqlalchemy import func, select
 
 from jobsvc import Client, JobStatus
-from jobsvc.local import LocalWorkers
+from jobsvc.child_processes import LocalWorkers
 from jobsvc.private_redis import PrivateRedis
 from jobsvc.settings import Settings
 from jobsvc.store import Result, Store

@@ -33,6 +33,6 @@ def record_queued_job(store: Store, **fields: Any) -> str:
 def claim(store: Store, job_ids: list[str], *, redelivered: bool = False
           ) -> dict[str, tuple[int, ...] | str]:
     """Claim jobs as TEST_MESSAGE's worker on shard 0; their documents by job ID."""
-    claimed = store.claim_batch(job_ids, message_id=TEST_MESSAGE, shard=0,
+    claimed = store.claim_message(job_ids, message_id=TEST_MESSAGE, shard=0,
                                 redelivered=redelivered, worker="w", max_attempts=3)
     return {job.job_id: job.document for job in claimed.jobs}

@@ -14,6 +14,14 @@ import pytest
 from jobsvc.batchapi.batchstore import OutputRow
 from jobsvc.batchapi.chat_template import ChatTemplate, split_prompt
 from jobsvc.batchapi.driver import file_line
+from jobsvc.batchapi.line_requests import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    ChatRequest,
+    CompletionRequest,
+    LineError,
+    parse_request,
+)
 from jobsvc.batchapi.lines import MAX_LINES, FileCheck, split_lines
 from jobsvc.batchapi.output_lines import (
     Answer,
@@ -24,14 +32,6 @@ from jobsvc.batchapi.output_lines import (
     openai_line,
     response_body,
     vllm_line,
-)
-from jobsvc.batchapi.requests import (
-    CHAT_ENDPOINT,
-    COMPLETIONS_ENDPOINT,
-    ChatRequest,
-    CompletionRequest,
-    LineError,
-    parse_request,
 )
 from jobsvc.settings import TINY_MODEL
 

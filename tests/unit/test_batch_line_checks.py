@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from jobsvc.batchapi.line_requests import CHAT_ENDPOINT
 from jobsvc.batchapi.lines import (
     MAX_DEPTH,
     FileCheck,
@@ -16,9 +17,8 @@ from jobsvc.batchapi.lines import (
     parse_line,
     split_lines,
 )
-from jobsvc.batchapi.requests import CHAT_ENDPOINT
 from jobsvc.errors import InvalidJob
-from jobsvc.schema import JobLimits, validate_job
+from jobsvc.wire import JobLimits, validate_job
 
 pytestmark = pytest.mark.unit
 

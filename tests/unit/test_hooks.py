@@ -27,7 +27,7 @@ def test_no_setting_means_hooks_that_do_nothing() -> None:
     assert type(hooks) is WorkerHooks
     hooks.on_claim(["a"])
     hooks.on_admit(1, 0.0)
-    hooks.on_batch_end(1, 0.0)
+    hooks.on_message_end(1, 0.0)
     hooks.on_stop()
 
 

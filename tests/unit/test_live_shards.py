@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 def _seen(shard: int, age_s: float = 1.0, *, stopped: bool = False) -> SeenWorker:
     heartbeat = Heartbeat(shard=shard, worker=f"shard{shard}@host", host="host", pid=1, up_s=1.0,
-                          engine_ready=True, batches_in_flight=0, last_batch_finished_s=None,
+                          engine_ready=True, messages_in_flight=0, last_message_finished_s=None,
                           metrics_port=None, stopped=stopped)
     return SeenWorker(heartbeat, age_s)
 

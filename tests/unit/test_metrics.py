@@ -14,7 +14,7 @@ from jobsvc.health import Heartbeat, SeenWorker
 from jobsvc.metrics import fleet_registry
 from jobsvc.store import ClaimedJob
 from jobsvc.workers.engine import EngineResult
-from jobsvc.workers.hooks import FinishedBatch, HookChain, WorkerHooks
+from jobsvc.workers.hooks import FinishedMessage, HookChain, WorkerHooks
 from jobsvc.workers.metrics import WorkerMetrics
 from tests.support.exposition import Samples, parse_samples
 
@@ -67,14 +67,14 @@ def _job(job_id: str, submitted: float, estimated: int) -> ClaimedJob:
                       datetime.fromtimestamp(submitted, UTC).replace(tzinfo=None))
 
 
-def test_a_worker_counts_a_batch_once_its_results_are_committed() -> None:
+def test_a_worker_counts_a_message_once_its_results_are_committed() -> None:
     registry = CollectorRegistry()
     metrics = WorkerMetrics(2, registry)
     jobs = [_job("a", 100.0, 300), _job("b", 103.0, 10), _job("c", 100.0, 50)]
     results = [EngineResult("b", "x", None, 400, 16, 384, 110.0),
                EngineResult("a", "y", None, 400, 8, 128, 112.0),
                EngineResult("c", None, "aborted in the engine", 400, 0, 0, 111.0)]
-    HookChain([WorkerHooks(), metrics]).on_jobs_finished(FinishedBatch(2, 105.0, jobs, results))
+    HookChain([WorkerHooks(), metrics]).on_jobs_finished(FinishedMessage(2, 105.0, jobs, results))
     found = samples(registry)
     shard = labels(shard="2")
     assert found[("jobsvc_jobs_finished_total", labels(shard="2", status="succeeded"))] == 2
@@ -84,9 +84,9 @@ def test_a_worker_counts_a_batch_once_its_results_are_committed() -> None:
     assert found[("jobsvc_completion_tokens_total", shard)] == 24
     assert found[("jobsvc_estimated_prefill_tokens_total", shard)] == 310
     assert found[("jobsvc_actual_prefill_tokens_total", shard)] == 288
-    assert found[("jobsvc_batch_jobs_count", shard)] == 1
-    assert found[("jobsvc_batch_jobs_sum", shard)] == 3
-    assert found[("jobsvc_batch_duration_seconds_sum", shard)] == pytest.approx(7.0)
+    assert found[("jobsvc_message_jobs_count", shard)] == 1
+    assert found[("jobsvc_message_jobs_sum", shard)] == 3
+    assert found[("jobsvc_message_duration_seconds_sum", shard)] == pytest.approx(7.0)
     # Submitted at 100, 103 and 100, admitted at 105.
     assert found[("jobsvc_queue_wait_seconds_count", shard)] == 3
     assert found[("jobsvc_queue_wait_seconds_sum", shard)] == pytest.approx(12.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jobsvc.errors import ConfigurationError
-from jobsvc.routing.cost import Route, RoutingJob, document_demands
+from jobsvc.routing.job_cost import Route, RoutingJob, document_demands
 from jobsvc.routing.policies import (
     POLICIES,
     POLICY_NAMES,

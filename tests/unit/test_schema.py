@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobsvc.batching import PlacedJob, form_batches
 from jobsvc.errors import InvalidJob
-from jobsvc.schema import BatchMessage, JobLimits, MessageError, validate_job
+from jobsvc.messages import PlacedJob, form_messages
+from jobsvc.wire import JobLimits, MessageError, QueueMessage, validate_job
 
 pytestmark = pytest.mark.unit
 
@@ -51,12 +51,12 @@ def test_a_job_larger_encoded_than_a_worker_reads_is_refused_naming_the_limit() 
 
 
 def test_batch_message_round_trips_through_its_wire_form() -> None:
-    message = BatchMessage(2, ["a", "b"], "m1")
-    assert BatchMessage.from_wire(message.to_wire(), "m1") == message
+    message = QueueMessage(2, ["a", "b"], "m1")
+    assert QueueMessage.from_wire(message.to_wire(), "m1") == message
 
 
 def test_batch_messages_carry_job_ids_and_nothing_that_decides_an_answer() -> None:
-    assert BatchMessage(0, ["a"], "m1").to_wire() == {"v": 3, "shard": 0, "jobs": ["a"]}
+    assert QueueMessage(0, ["a"], "m1").to_wire() == {"v": 3, "shard": 0, "jobs": ["a"]}
 
 
 @pytest.mark.parametrize("wire", [
@@ -71,13 +71,13 @@ def test_batch_messages_carry_job_ids_and_nothing_that_decides_an_answer() -> No
 ])
 def test_messages_not_of_our_schema_are_refused(wire: object) -> None:
     with pytest.raises(MessageError):
-        BatchMessage.from_wire(wire, "m1")
+        QueueMessage.from_wire(wire, "m1")
 
 
 def test_batches_keep_a_documents_questions_together() -> None:
     placed = [PlacedJob("a1", 0, "A"), PlacedJob("b1", 1, "B"), PlacedJob("c1", 0, "C"),
               PlacedJob("a2", 0, "A"), PlacedJob("c2", 0, "C"), PlacedJob("a3", 0, "A")]
-    messages = form_batches(placed, batch_size=4)
+    messages = form_messages(placed, batch_size=4)
     assert [(m.shard, m.job_ids) for m in messages] == [
         (0, ["a1", "a2", "a3", "c1"]), (0, ["c2"]), (1, ["b1"])]
     assert len({m.message_id for m in messages}) == 3

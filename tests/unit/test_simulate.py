@@ -11,7 +11,7 @@ import pytest
 
 from jobsvc.errors import JobsvcError
 from jobsvc.prompts import PromptBuilder
-from jobsvc.routing.cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST
+from jobsvc.routing.job_cost import DEFAULT_CAPACITY_BLOCKS, DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
 from jobsvc.settings import TINY_MODEL, Settings
 from jobsvc.simulate import (

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.unit
 
 
 def beat(shard: int = 0, *, engine_ready: bool = True, stopped: bool = False,
-         last_batch: float | None = 2.0) -> Heartbeat:
+         last_message: float | None = 2.0) -> Heartbeat:
     return Heartbeat(shard=shard, worker=f"shard{shard}@host", host="host", pid=41,
-                     up_s=90.0, engine_ready=engine_ready, batches_in_flight=1,
-                     last_batch_finished_s=last_batch, metrics_port=9400 + shard,
+                     up_s=90.0, engine_ready=engine_ready, messages_in_flight=1,
+                     last_message_finished_s=last_message, metrics_port=9400 + shard,
                      stopped=stopped)
 
 
@@ -79,7 +79,7 @@ def test_the_report_has_a_row_per_shard_with_its_queue_jobs_and_worker() -> None
     assert first["worker"]["alive"] and first["worker"]["host"] == "host"
     assert first["worker"]["last_seen_s"] == 1.5
     # Seconds before the heartbeat plus the heartbeat's age: seconds ago when read.
-    assert first["worker"]["last_batch_finished_s"] == 3.5
+    assert first["worker"]["last_message_finished_s"] == 3.5
     assert first["worker"]["metrics_port"] == 9400
     assert second == {"shard": 3, "configured": False, "queue_messages": 2,
                       "jobs": {"queued": 64, "running": 0}, "outstanding_load": 6400,
@@ -112,7 +112,7 @@ def test_the_text_shows_each_worker_and_names_the_shards_that_need_attention() -
     lines = render_text(status_report(fleet)).splitlines()
     assert lines[0].split() == ["shard", "queue", "queued", "running", "load", "worker"]
     assert lines[1].startswith("0 ") and "alive shard0@host pid 41, engine ready" in lines[1]
-    assert "last batch 4 s ago" in lines[1]
+    assert "last message 4 s ago" in lines[1]
     assert "stopped (shard1@host, seen 40 s ago)" in lines[2]
     assert lines[3].startswith("7*") and lines[3].endswith("none seen")
     assert lines[-3].startswith("* live")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.errors import InvalidJob
-from jobsvc.schema import check_sampling_value
+from jobsvc.wire import check_sampling_value
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"

@@ -1,4 +1,4 @@
-"""Job input validation and the versioned batch message that crosses from producer to worker.
+"""Job input validation and the versioned queue message that crosses from producer to worker.
 
 Everything here is pure: plain values in, plain values (or InvalidJob / MessageError) out.
 """
@@ -176,16 +176,16 @@ def validate_job(document: Any, question: Any, sampling: Mapping[str, Any],
 
 
 class MessageError(ValueError):
-    """A queue message that is not a batch of ours; the worker refuses it and carries on."""
+    """A queue message that is not one of ours; the worker refuses it and carries on."""
 
 
-# A message names at most this many jobs; the producer's batch size is far below it.
+# A message names at most this many jobs; the producer's JOBSVC_BATCH_SIZE is far below it.
 MAX_MESSAGE_JOBS = 100_000
 
 
 @dataclass(frozen=True)
-class BatchMessage:
-    """One micro-batch for one shard: only the IDs of its jobs. Everything that decides a
+class QueueMessage:
+    """One queue message for one shard: only the IDs of its jobs. Everything that decides a
     job's answer (document, question, sampling) and what it charged its shard is read from the
     job's record, so a message can point a worker at work but never change it. The message's
     own ID (the Celery task ID) is recorded with each job it carries: only that message may
@@ -200,16 +200,16 @@ class BatchMessage:
         return {"v": MESSAGE_VERSION, "shard": self.shard, "jobs": self.job_ids}
 
     @classmethod
-    def from_wire(cls, data: Any, message_id: str) -> BatchMessage:
+    def from_wire(cls, data: Any, message_id: str) -> QueueMessage:
         """Rebuild a message, refusing anything that is not exactly our schema."""
         if not isinstance(data, dict) or data.get("v") != MESSAGE_VERSION:
-            raise MessageError(f"not a version-{MESSAGE_VERSION} jobsvc batch")
+            raise MessageError(f"not a version-{MESSAGE_VERSION} jobsvc message")
         shard, jobs = data.get("shard"), data.get("jobs")
         if not _is_int(shard) or not isinstance(jobs, list) or len(jobs) > MAX_MESSAGE_JOBS:
-            raise MessageError(f"batch needs an integer shard and a list of at most "
+            raise MessageError(f"a message needs an integer shard and a list of at most "
                                f"{MAX_MESSAGE_JOBS} job IDs")
         if not all(isinstance(job_id, str) and 0 < len(job_id) <= 64 for job_id in jobs):
-            raise MessageError("a batch's job IDs must be strings of 1 to 64 characters")
+            raise MessageError("a message's job IDs must be strings of 1 to 64 characters")
         return cls(shard, jobs, message_id)
 
 

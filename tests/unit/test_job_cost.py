@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobsvc.routing.cost import (
+from jobsvc.routing.job_cost import (
     Route,
     RoutingJob,
     decode_load,

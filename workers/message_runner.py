@@ -1,4 +1,4 @@
-"""The batch loop: one Celery task per micro-batch message. It refuses what is not ours,
+"""The message loop: one Celery task per queue message. It refuses what is not ours,
 claims the jobs the message may run and reads everything they run from the store (the message
 only names them), admits them to the engine at once, and returns (so the message is
 acknowledged) only when every result is committed. Suspects, jobs whose engine died under
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.prompts import PromptBuilder
-from jobsvc.schema import BatchMessage, MessageError
 from jobsvc.store import ClaimedJob, JobOutcome, Store
+from jobsvc.wire import MessageError, QueueMessage
 from jobsvc.workers.engine import EngineAdapter, EngineRequest, EngineResult
-from jobsvc.workers.hooks import FinishedBatch, WorkerHooks
+from jobsvc.workers.hooks import FinishedMessage, WorkerHooks
 from jobsvc.workers.isolation import EngineTurns, SuspectGroup, suspect_groups
 from jobsvc.workers.recorder import CacheCheck, Completion, ResultRecorder
 
@@ -31,7 +31,7 @@ _ENDINGS = ("succeeded", "failed", "cancelled")
 T = TypeVar("T")
 
 
-class BatchRunner:
+class MessageRunner:
     """Runs one message's jobs from claim to committed results: what makes acknowledging a message
     safe, since it returns only once every result it ran is in the store."""
 
@@ -54,19 +54,19 @@ class BatchRunner:
         self._turns = EngineTurns()
 
     def run(self, payload: Any, message_id: str, redelivered: bool) -> dict[str, int]:
-        """Run one batch message; returns how its jobs ended, for the task's log line and the
+        """Run one queue message; returns how its jobs ended, for the task's log line and the
         task result monitors show (a message whose jobs failed still ends as a task that
         succeeded: the count says so). `redelivered`: the broker sends the message again
         because the worker that had it stopped."""
         try:
-            message = BatchMessage.from_wire(payload, message_id)
+            message = QueueMessage.from_wire(payload, message_id)
         except MessageError as error:
             log.error("shard %d refused message %s: %s", self.shard, message_id, error)
             return {"refused": 1}
         if message.shard != self.shard:
             log.warning("shard %d got message %s addressed to shard %d; only jobs recorded "
                         "for this shard run", self.shard, message_id, message.shard)
-        # Claimed only once batches may share the engine: jobs kept waiting while a group of
+        # Claimed only once messages may share the engine: jobs kept waiting while a group of
         # suspects has it alone stay unclaimed, and are no suspects if that group kills it.
         with self._turns.shared():
             jobs = self._claim(message, redelivered)
@@ -131,9 +131,9 @@ class BatchRunner:
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
-            self._recorder.batch_finished(self._batch_stats(started, results))
-            self._hooks.on_jobs_finished(FinishedBatch(self.shard, started, jobs, results))
-        self._hooks.on_batch_end(len(requests), started)
+            self._recorder.message_finished(self._batch_stats(started, results))
+            self._hooks.on_jobs_finished(FinishedMessage(self.shard, started, jobs, results))
+        self._hooks.on_message_end(len(requests), started)
         return ended
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
@@ -149,13 +149,13 @@ class BatchRunner:
                 time.sleep(delay)
                 delay = min(10.0, delay * 2)
 
-    def _claim(self, message: BatchMessage, redelivered: bool) -> list[ClaimedJob]:
+    def _claim(self, message: QueueMessage, redelivered: bool) -> list[ClaimedJob]:
         """Claim the jobs this message may run, leaving out any this worker already runs (a
         copy of a message it is running); the claim returns the load of jobs it ended
         instead (given up, or unreadable), and that goes back to the router."""
         with self._lock:
             job_ids = [job_id for job_id in message.job_ids if job_id not in self._running]
-        claim = self._retrying(f"claim {len(job_ids)} jobs", lambda: self._store.claim_batch(
+        claim = self._retrying(f"claim {len(job_ids)} jobs", lambda: self._store.claim_message(
             job_ids, message_id=message.message_id, shard=self.shard, redelivered=redelivered,
             worker=self.worker_name, max_attempts=self.max_attempts))
         self._recorder.release_load(claim.released)

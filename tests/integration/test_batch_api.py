@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -15,9 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai.types import Batch
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import func, select
 
 from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.ingest import Ingestor
@@ -28,18 +25,26 @@ from jobsvc.keys import queue_name
 from jobsvc.prompts import PromptBuilder
 from jobsvc.runbatch import run_batch
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Store
+from jobsvc.store import Store
 from jobsvc.workloads import document, question
+from tests.support.batch_files import (
+    CHAT,
+    COMPLETIONS,
+    TIMEOUT,
+    assert_every_request_once,
+    job_statuses,
+    jsonl,
+    line,
+    long_requests,
+    results,
+    start_batch,
+    upload,
+    wait_for,
+)
 from tests.support.batch_server import API_KEY, openai_client, server_in_thread, server_process
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-FINAL = ("completed", "failed", "expired", "cancelled")
-TIMEOUT = 240
-
 
 @pytest.fixture(scope="session")
 def server_settings(settings: Settings) -> Settings:
@@ -57,46 +62,6 @@ def api_url(server_settings: Settings) -> Iterator[str]:
 @pytest.fixture()
 def api(api_url: str) -> openai.OpenAI:
     return openai_client(api_url)
-
-
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(line) + "\n" for line in lines).encode()
-
-
-def line(custom_id: str, body: dict[str, Any], url: str = CHAT) -> dict[str, Any]:
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
-
-
-def upload(api: openai.OpenAI, data: bytes) -> str:
-    return api.files.create(file=("requests.jsonl", io.BytesIO(data)), purpose="batch").id
-
-
-def start_batch(api: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str = CHAT
-                ) -> Batch:
-    return api.batches.create(input_file_id=upload(api, jsonl(lines)), endpoint=endpoint,
-                              completion_window="24h", metadata={"test": "yes"})
-
-
-def wait_for(api: openai.OpenAI, batch_id: str, done: Callable[[Batch], bool] = (
-        lambda batch: batch.status in FINAL), timeout: float = TIMEOUT) -> Batch:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = api.batches.retrieve(batch_id)
-        if done(batch):
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
-        time.sleep(0.1)
-
-
-def file_lines(api: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    return [json.loads(raw) for raw in api.files.content(file_id).read().splitlines()]
-
-
-def results(api: openai.OpenAI, batch: Batch) -> tuple[list[dict[str, Any]],
-                                                       list[dict[str, Any]]]:
-    return file_lines(api, batch.output_file_id), file_lines(api, batch.error_file_id)
 
 
 def test_a_file_comes_back_byte_for_byte_lists_and_deletes(settings: Settings) -> None:
@@ -233,20 +198,6 @@ def test_a_structurally_bad_file_fails_naming_its_lines(api: openai.OpenAI) -> N
     assert batch.output_file_id is None and batch.error_file_id is None
 
 
-def long_requests(count: int) -> list[dict[str, Any]]:
-    rng = random.Random(count)
-    text = document(rng, 200)
-    return [line(f"r{index}", {"max_tokens": 400, "ignore_eos": True, "messages": [
-        {"role": "system", "content": text}, {"role": "user", "content": question(rng)}]})
-        for index in range(count)]
-
-
-def assert_every_request_once(lines: list[dict[str, Any]], output: list[dict[str, Any]],
-                              errors: list[dict[str, Any]]) -> None:
-    assert sorted(item["custom_id"] for item in [*output, *errors]) == sorted(
-        item["custom_id"] for item in lines)
-
-
 def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_finished(
         api: openai.OpenAI, worker: LocalWorkers, worker_store: Store) -> None:
     lines = long_requests(40)
@@ -266,14 +217,6 @@ def test_cancelling_a_batch_whose_requests_wait_cancels_them_and_keeps_what_fini
     statuses = job_statuses(worker_store, batch.id)
     assert statuses.get("cancelled", 0) == len(errors), statuses
     assert not {"queued", "running"} & set(statuses), statuses
-
-
-def job_statuses(store: Store, batch_id: str) -> dict[str, int]:
-    """How many of the batch's jobs are in each status."""
-    with store.engine.connect() as connection:
-        return dict(connection.execute(
-            select(Job.status, func.count()).where(Job.idempotency_key.startswith(batch_id))
-            .group_by(Job.status)).all())
 
 
 def test_a_batch_past_its_window_expires_with_its_unrun_requests_in_the_error_file(

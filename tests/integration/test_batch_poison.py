@@ -28,7 +28,7 @@ from jobsvc.client import Client
 from jobsvc.errors import InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.store import Job, Store
-from tests.integration.test_batch_api import (
+from tests.support.batch_files import (
     CHAT,
     COMPLETIONS,
     assert_every_request_once,

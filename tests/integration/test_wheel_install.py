@@ -19,13 +19,14 @@ from alembic.script import ScriptDirectory
 
 from jobsvc import migrations
 from tests.support.environment import TEST_DATABASE, drop_database, empty_database
-from tests.unit.test_import_graph import INSTALLED_AS
+from tests.support.packaging import installed_names
 
 pytestmark = pytest.mark.integration
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 # What the wheel is built from, every folder pyproject.toml maps into `jobsvc` among them;
 # the build writes its scratch folders beside these.
+INSTALLED_AS = installed_names()
 WHEEL_SOURCES = ("pyproject.toml", "README.md", *INSTALLED_AS)
 
 

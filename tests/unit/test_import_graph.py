@@ -5,26 +5,19 @@ Python until the function runs."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+
+from tests.support.packaging import installed_names
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def installed_names(root: Path = ROOT) -> dict[str, str]:
-    """Each of the repository's package folders with the import package the wheel installs it
-    as (pyproject.toml's `package-dir`: the folder `workers` is `jobsvc.workers`)."""
-    with (root / "pyproject.toml").open("rb") as file:
-        package_dir = tomllib.load(file)["tool"]["setuptools"]["package-dir"]
-    return {folder: package for package, folder in package_dir.items()}
-
-
-INSTALLED_AS = installed_names()
+INSTALLED_AS = installed_names(ROOT)
 # The folders whose modules import each other; migrations are files Alembic loads by path.
 PACKAGES = {folder: INSTALLED_AS[folder] for folder in ("jobsvc", "workers", "bench")}
 WORKERS, BENCH = PACKAGES["workers"], PACKAGES["bench"]
@@ -109,6 +102,15 @@ def test_no_worker_module_imports_the_benchmark() -> None:
     assert {module: names for module, names in reaching.items() if names} == {}
 
 
+def _absolute_imports(path: Path) -> list[str]:
+    """Every module a file names in an absolute import, wherever the import sits."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    return names + [node.module for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and not node.level and node.module]
+
+
 def test_no_module_imports_a_package_folder_by_the_folders_name() -> None:
     """From the repository root `import workers` finds the folder, but the wheel installs
     it as `jobsvc.workers` only: such an import works in a checkout and nowhere else."""
@@ -116,13 +118,20 @@ def test_no_module_imports_a_package_folder_by_the_folders_name() -> None:
     offenders: dict[str, list[str]] = {}
     for folder in (*INSTALLED_AS, "tests", "ops"):
         for path in (ROOT / folder).rglob("*.py"):
-            tree = ast.parse(path.read_text(), filename=str(path))
-            names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                     for alias in node.names]
-            names += [node.module for node in ast.walk(tree)
-                      if isinstance(node, ast.ImportFrom) and not node.level and node.module]
-            if found := sorted(name for name in names if name.split(".")[0] in renamed):
+            if found := sorted(name for name in _absolute_imports(path)
+                               if name.split(".")[0] in renamed):
                 offenders[str(path.relative_to(ROOT))] = found
+    assert offenders == {}
+
+
+def test_tests_share_code_through_tests_support_only() -> None:
+    """A test module imported by another runs its module-level code twice and hides where a
+    helper lives: shared helpers belong in tests/support."""
+    offenders: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if found := sorted(name for name in _absolute_imports(path)
+                           if name.startswith("tests.") and not name.startswith("tests.support")):
+            offenders[str(path.relative_to(ROOT))] = found
     assert offenders == {}
 
 

@@ -19,10 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jobsvc.bench.run import Bench, BenchOptions, bench_jobs, trial_shape
+from jobsvc.bench.options import BenchOptions, bench_jobs
+from jobsvc.bench.run import Bench, trial_shape
 from jobsvc.prompts import PromptBuilder
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.router import make_router
-from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 
 # The routing settings a run can race, by the name `--setting` takes.
@@ -66,7 +67,7 @@ def run(workload: str, shards: int, setting: str, values: list[float], rounds: i
     bench = Bench(settings, options, print)
     jobs = bench_jobs(options, trial=0)
     shapes = {value: trial_shape(jobs, bench.prompts, make_router(
-                  bench.redis, ShardState(bench.redis),
+                  bench.redis, LoadLedger(bench.redis),
                   replace(settings, **{SETTINGS[setting]: value})))
               for value in values}
     bursts: dict[float, list[dict[str, float]]] = {value: [] for value in values}

@@ -25,10 +25,10 @@ from typing import Any
 
 import openai
 
-from jobsvc.batchapi.batchstore import BatchRecord, BatchStore
 from jobsvc.child_processes import ServerProcess
 from jobsvc.settings import Settings
 from jobsvc.store import make_engine
+from jobsvc.store.batches import BatchRecord, BatchStore
 from jobsvc.workloads import document, question
 
 _API_KEY = "bench-ingest"

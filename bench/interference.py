@@ -26,7 +26,7 @@ from typing import Any
 import numpy
 import psutil
 
-from jobsvc.bench.run import BenchOptions, bench_jobs, shard_devices
+from jobsvc.bench.options import BenchOptions, bench_jobs, shard_devices
 from jobsvc.bench.standalone import Job, StandaloneEngines, as_job
 from jobsvc.settings import Settings
 

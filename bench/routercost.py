@@ -19,11 +19,11 @@ import redis
 from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.private_redis import PrivateRedis
 from jobsvc.routing.job_cost import RoutingJob, decode_load
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.live import LiveShards
 from jobsvc.routing.policies import POLICY_NAMES
 from jobsvc.routing.prefix import document_keys
 from jobsvc.routing.router import make_router
-from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 
 
@@ -73,7 +73,7 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
                 metrics_port=None))
         rng = random.Random(shards)
         documents = [tuple(rng.randrange(4000) for _ in range(1500)) for _ in range(1024)]
-        router = make_router(client, ShardState(client), settings)
+        router = make_router(client, LoadLedger(client), settings)
         for jobs in _submits(rng, documents, 300, settings):
             router.route(jobs)
         measured = _submits(rng, documents, submits, settings)

@@ -7,18 +7,19 @@ Both arms share the machine, the engine configuration, the shard count, the docu
 document-to-engine assignment; each pair reverses the order of the previous one, and every
 trial starts from a cold prefix cache. Wall-clock throughput on a shared 2-core machine varies
 by several percent between runs; CPU-seconds per job, summed over every process an arm uses,
-is the steadier measure of what the service costs on top of the engine."""
+is the steadier measure of what the service costs on top of the engine.
+
+This module drives the pairs: it starts the engines, runs and measures each arm's bursts, and
+hands the pairs to `run_report`; what a run does, and on which jobs, is set in `options`."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -30,14 +31,10 @@ from jobsvc.bench.measure import (
     Pair,
     ideal_hit_rate,
     mean_shard_seconds,
-    milliseconds,
-    outside_engine_ms_per_job_by_role,
-    parity_checks,
-    percentile,
     reading_at,
     shard_finish_spread_seconds,
-    summarize_pairs,
 )
+from jobsvc.bench.options import BenchOptions, arm_names, bench_jobs, check_options, shard_devices
 from jobsvc.bench.probes import HOOKS_PATH
 from jobsvc.bench.processes import (
     FOREIGN_CPU,
@@ -49,28 +46,22 @@ from jobsvc.bench.processes import (
     server_processes,
     with_roles,
 )
+from jobsvc.bench.report import Totals, run_report
 from jobsvc.bench.standalone import ADMISSION_MODES, StandaloneEngines, StandaloneRun, as_job
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
-from jobsvc.errors import ConfigurationError
 from jobsvc.migrate import upgrade_to_head
 from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.job_cost import RoutingJob, decode_load
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.prefix import document_keys
 from jobsvc.routing.router import Router, make_router, reset_routing_state
-from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.transport import make_celery
 from jobsvc.wire import JobStatus
-from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
 log = logging.getLogger(__name__)
 
-# Documents and questions per document of the even workloads.
-NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
-# `zipf`: as many jobs as `reuse` on as many documents, asked with Zipf popularity (the most
-# asked document draws a fifth of the jobs, most are asked once or twice).
-ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
 # The service arm's producer waits as `Client.wait` does by default: it checks its unfinished
 # jobs once the commits announced since its last check could have finished all of them, and
 # at least every `finish_signal.NOTIFIED_CHECK_SECONDS`, or every _POLL_SECONDS without
@@ -84,109 +75,6 @@ _LAST_COMMIT_GRACE_SECONDS = 0.2
 _SETTLE_SECONDS = 1.0
 # How long a standalone burst on the workers' engines may take before the bench gives up.
 _WORKER_BURST_TIMEOUT_SECONDS = 1800.0
-# The device of each shard, space-separated: GPU indices on GPU hosts, core lists such as 0-1
-# on CPU hosts. Unset: the split of a 2-core CPU host.
-DEVICES_VARIABLE = "JOBSVC_BENCH_DEVICES"
-
-
-def shard_devices(shards: int, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The device each shard's worker binds (`--device`), and the standalone arm's engine of
-    that shard: DEVICES_VARIABLE when set, so that a GPU host runs the same code with GPU
-    indices; else both cores of a 2-core CPU host for one shard, one core each for more. The
-    bench's one setting of its own, and the one place it is read."""
-    devices = environ.get(DEVICES_VARIABLE, "").split()
-    if not devices:
-        return ["0-1"] if shards == 1 else [str(shard % 2) for shard in range(shards)]
-    if len(devices) != shards:
-        raise ConfigurationError(f"{DEVICES_VARIABLE} names {len(devices)} devices for "
-                                 f"{shards} shards; give one per shard")
-    return devices
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    """What a `jobsvc bench` run does, from its command line; every field has a default, so tests
-    and scripts name only what they change."""
-
-    workload: str = "reuse"
-    shards: int = 1
-    # Routing policy of the service arm (and so of the standalone arm's plan); None keeps
-    # JOBSVC_ROUTING.
-    policy: str | None = None
-    trials: int = 7
-    words: int = 520  # about 1,500 tokens of the tiny model's tokenizer
-    output_tokens: int = 16
-    json_path: Path | None = None
-    plot_path: Path | None = None
-    log_dir: Path = Path("bench-logs")
-    # Start both arms' engines afresh before every pair. Two engines started alike can differ
-    # in speed for their whole life; fresh ones turn that lasting bias between the arms into
-    # noise between pairs, which the median over pairs can see through.
-    fresh_engines: bool = False
-    # Run the standalone arm on the service workers' own engines, driven directly inside each
-    # worker process with the queue and database left out. Both arms of a pair then meet the
-    # same engine, and a difference in speed between engine instances cannot enter the ratio.
-    # Otherwise the bench process starts engines of its own for the standalone arm.
-    standalone_on_workers: bool = True
-    # A/A run: the standalone arm also takes the service's place in every pair, so the ratios
-    # show what this host's noise alone does to them (the spread a service with no overhead
-    # at all would measure here).
-    standalone_twice: bool = False
-    # A/B run of the service against itself: in the standalone arm's place, the same workers
-    # with each message admitted at once (an admission chunk of 0), so that the pairs show
-    # what paced admission gains or costs. Each slot of a pair submits documents of its own,
-    # so that neither finds the other's already stored.
-    compare_admission: bool = False
-    # The standalone arm's admission style (`jobsvc.bench.standalone.ADMISSION_MODES`), fixed for
-    # the run; None calibrates between the styles and keeps the faster. A fixed style lets
-    # two runs, one per style, measure the service against each with the same workload.
-    standalone_admission: str | None = None
-
-
-def check_options(settings: Settings, options: BenchOptions) -> None:
-    """Refuse combinations of options that would not measure what they name."""
-    if options.standalone_admission not in (None, *ADMISSION_MODES):
-        raise ConfigurationError(f"--standalone-admission must be one of {ADMISSION_MODES}, "
-                                 f"not {options.standalone_admission!r}")
-    if not options.compare_admission:
-        return
-    if options.standalone_admission:
-        raise ConfigurationError("--compare-admission runs no standalone arm; leave out "
-                                 "--standalone-admission")
-    if options.standalone_twice:
-        raise ConfigurationError("--compare-admission and --standalone-twice each replace an "
-                                 "arm; run them separately")
-    if not options.standalone_on_workers:
-        raise ConfigurationError("--compare-admission runs no standalone engines; leave out "
-                                 "--own-standalone-engines")
-    if settings.admission_chunk == 0:
-        raise ConfigurationError("--compare-admission compares JOBSVC_ADMISSION_CHUNK with 0 "
-                                 "(each message admitted at once), and it is 0; set it to the "
-                                 "chunk to compare, such as 32")
-
-
-def arm_names(options: BenchOptions) -> tuple[str, str]:
-    """What runs in the service arm's slot and in the standalone arm's slot of each pair."""
-    if options.standalone_twice:
-        return "standalone", "standalone"
-    if options.compare_admission:
-        return "service paced", "service all at once"
-    return "service", "standalone"
-
-
-def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
-    """The jobs of one trial: named workloads get fresh documents per trial, JSONL files
-    replay the same jobs (the prefix caches are reset between trials either way)."""
-    fixed = {"max_tokens": options.output_tokens, "ignore_eos": True, "temperature": 0.0}
-    if options.workload in NAMED_WORKLOADS:
-        documents, questions = NAMED_WORKLOADS[options.workload]
-        generated = document_questions(documents, questions, options.words, seed=1000 + trial)
-    elif options.workload == "zipf":
-        generated = uneven_jobs(ZIPF_JOBS, ZIPF_DOCUMENTS, (options.words, options.words),
-                                seed=1000 + trial)
-    else:
-        return [{**fixed, **job} for job in read_jsonl_jobs(Path(options.workload))]
-    return [{"document": job.document, "question": job.question, **fixed} for job in generated]
 
 
 @dataclass
@@ -225,61 +113,6 @@ def _server_members(servers: Mapping[str, Iterable[psutil.Process]]) -> list[Mem
             for member in with_roles(processes, role, descendants=False)]
 
 
-@dataclass
-class _GcTotals:
-    """Each worker's longest GC pauses and its collections, over the bursts of one arm: while
-    it had work in flight, and (`idle_*`) while it had none."""
-
-    pause_max_ms: dict[str, float] = field(default_factory=dict)
-    pause_max_ms_by_generation: dict[str, list[float]] = field(default_factory=dict)
-    cpu_max_ms: dict[str, float] = field(default_factory=dict)
-    collections_by_generation: dict[str, list[int]] = field(default_factory=dict)
-    idle_pause_max_ms: dict[str, float] = field(default_factory=dict)
-    idle_collections: dict[str, int] = field(default_factory=dict)
-
-    def add(self, replies: Iterable[Mapping[str, Mapping[str, Any]]]) -> None:
-        """Fold in the workers' `take_gc_pauses` readings."""
-        for reply in replies:
-            for worker, reading in reply.items():
-                self.pause_max_ms[worker] = max(self.pause_max_ms.get(worker, 0.0),
-                                                reading["gc_pause_max_ms"])
-                self.cpu_max_ms[worker] = max(self.cpu_max_ms.get(worker, 0.0),
-                                              reading["gc_cpu_max_ms"])
-                self.idle_pause_max_ms[worker] = max(self.idle_pause_max_ms.get(worker, 0.0),
-                                                     reading["gc_idle_pause_max_ms"])
-                self.idle_collections[worker] = (self.idle_collections.get(worker, 0)
-                                                 + reading["gc_idle_collections"])
-                by_generation = self.pause_max_ms_by_generation.setdefault(
-                    worker, [0.0, 0.0, 0.0])
-                by_generation[:] = map(max, by_generation,
-                                       reading["gc_pause_max_ms_by_generation"])
-                collections = self.collections_by_generation.setdefault(worker, [0, 0, 0])
-                collections[:] = map(sum, zip(collections,
-                                              reading["gc_collections_by_generation"],
-                                              strict=True))
-
-
-@dataclass
-class _Totals:
-    """Service-side figures accumulated over all trials."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    standalone_prompt_tokens: int = 0
-    standalone_cached_tokens: int = 0
-    shard_jobs: list[int] = field(default_factory=list)
-    admission_ms: list[float] = field(default_factory=list)
-    recording_lag_ms: list[float] = field(default_factory=list)
-    # Per burst: from the last result's `recorded_at` stamp to the producer hearing its commit.
-    heard_after_recorded_ms: list[float] = field(default_factory=list)
-    gc: _GcTotals = field(default_factory=_GcTotals)
-    # The same workers' collections during the standalone arm, when it drives their engines:
-    # what vLLM's front end and the host cost the process without the service's work.
-    standalone_gc: _GcTotals = field(default_factory=_GcTotals)
-    bytes_enqueued: list[int] = field(default_factory=list)
-    failed: int = 0
-
-
 class Bench:
     """One bench run's moving parts: the service's workers, the standalone arm's engines
     (where it has its own), and the producer's view of routing, with the totals both arms
@@ -298,10 +131,10 @@ class Bench:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.celery = make_celery(settings)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)
-        self.router = make_router(self.redis, ShardState(self.redis), settings)
-        self.totals = _Totals(shard_jobs=[0] * settings.shards)
+        self.router = make_router(self.redis, LoadLedger(self.redis), settings)
+        self.totals = Totals(shard_jobs=[0] * settings.shards)
         # The service admitting each message at once, in an admission A/B run.
-        self.all_at_once_totals = _Totals(shard_jobs=[0] * settings.shards)
+        self.all_at_once_totals = Totals(shard_jobs=[0] * settings.shards)
 
     def service_roots(self) -> list[psutil.Process]:
         """The service workers' processes, whose descendants are the engines."""
@@ -401,7 +234,7 @@ class Bench:
                for part in ("output_tokens", "prompt_tokens", "cached_tokens")})
 
     def run_service(self, client: Client, jobs: list[dict[str, Any]], shape: TrialShape,
-                    totals: _Totals | None) -> ArmResult:
+                    totals: Totals | None) -> ArmResult:
         """One burst through the service; its queue, routing and collection figures go into
         `totals` (none for an unrecorded burst)."""
         self.ask_workers("reset_prefix_cache", timeout=10)
@@ -657,7 +490,8 @@ def _run_pairs(bench: Bench, client: Client, modes: Sequence[str],
                  + (f"; disturbed: other programs took over {DISTURBED_SHARE:.0%} of the "
                     "machine's CPU during an arm" if pair.disturbed else ""))
         pair_done()
-    return _report(bench, pairs, mode, calibration, ideal_rates, bytes_raw)
+    return run_report(bench.settings, options, bench.totals, bench.all_at_once_totals, pairs, mode,
+                      calibration, ideal_rates, bytes_raw)
 
 
 def _calibrate(bench: Bench, jobs: list[dict[str, Any]], shape: TrialShape, modes: Sequence[str]
@@ -675,157 +509,3 @@ def _calibrate(bench: Bench, jobs: list[dict[str, Any]], shape: TrialShape, mode
     bench.progress(f"standalone admission: {mode} ({calibration})")
     return mode, calibration
 
-
-def _report(bench: Bench, pairs: list[Pair], mode: str, calibration: dict[str, float],
-            ideal_rates: list[float], bytes_raw: list[int]) -> dict[str, Any]:
-    totals, options = bench.totals, bench.options
-    result: dict[str, Any] = {
-        "workload": options.workload,
-        "shards": bench.settings.shards,
-        "policy": bench.settings.routing,
-        "arms": "/".join(arm_names(options)),
-        "trials": len(pairs),
-        "jobs_per_trial": pairs[0].service.jobs,
-        "output_tokens": options.output_tokens,
-        "fresh_engines_per_pair": options.fresh_engines,
-        "admission_chunk": bench.settings.admission_chunk,
-        "admission_pause_ms": bench.settings.admission_pause_ms,
-        **summarize_pairs(pairs),
-        "ideal_hit_rate": sum(ideal_rates) / len(ideal_rates),
-        "bytes_raw": sum(bytes_raw) // len(bytes_raw),
-        **({} if options.compare_admission
-           else _standalone_figures(totals, options, mode, calibration)),
-        **({} if options.standalone_twice else _service_figures(totals)),
-        **({"all_at_once": _service_figures(bench.all_at_once_totals)}
-           if options.compare_admission else {}),
-    }
-    result["parity_checks"] = parity_checks(result)
-    result["pairs"] = [_pair_figures(pair) for pair in pairs]
-    if options.json_path:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    if options.plot_path:
-        plot_pairs(result, options.plot_path)
-    return result
-
-
-def _standalone_figures(totals: _Totals, options: BenchOptions, mode: str,
-                        calibration: dict[str, float]) -> dict[str, Any]:
-    """What only the standalone arm has: its admission style, cache and collections."""
-    return {
-        "standalone_on_workers": options.standalone_on_workers,
-        "standalone_admission": mode,
-        "admission_calibration_rps": calibration,
-        "standalone_hit_rate": (totals.standalone_cached_tokens
-                                / max(totals.standalone_prompt_tokens, 1)),
-        "standalone_gc_pause_max_ms": totals.standalone_gc.pause_max_ms,
-        "standalone_gc_cpu_max_ms": totals.standalone_gc.cpu_max_ms,
-        "standalone_gc_collections_by_generation":
-            totals.standalone_gc.collections_by_generation,
-    }
-
-
-def _service_figures(totals: _Totals) -> dict[str, Any]:
-    """What only the service arm has: its queue, database, routing and worker collections."""
-    shard_jobs = totals.shard_jobs
-    mean_jobs = sum(shard_jobs) / len(shard_jobs)
-    return {
-        "hit_rate": totals.cached_tokens / max(totals.prompt_tokens, 1),
-        "shard_jobs": shard_jobs,
-        "load_max_over_mean": max(shard_jobs) / mean_jobs if mean_jobs else 0.0,
-        "bytes_enqueued": sum(totals.bytes_enqueued) // len(totals.bytes_enqueued),
-        "gc_pause_max_ms": totals.gc.pause_max_ms,
-        "gc_pause_max_ms_by_generation": totals.gc.pause_max_ms_by_generation,
-        "gc_cpu_max_ms": totals.gc.cpu_max_ms,
-        "gc_collections_by_generation": totals.gc.collections_by_generation,
-        "gc_idle_pause_max_ms": totals.gc.idle_pause_max_ms,
-        "gc_idle_collections": totals.gc.idle_collections,
-        "queue_to_admission_ms": {"p50": percentile(totals.admission_ms, 0.5),
-                                  "p99": percentile(totals.admission_ms, 0.99)},
-        "engine_finish_to_recorded_ms": {
-            "p50": percentile(totals.recording_lag_ms, 0.5),
-            "p99": percentile(totals.recording_lag_ms, 0.99)} if totals.recording_lag_ms else None,
-        "last_commit_heard_after_recorded_ms": {
-            "p50": percentile(totals.heard_after_recorded_ms, 0.5),
-            "max": max(totals.heard_after_recorded_ms)} if totals.heard_after_recorded_ms else None,
-        "service_jobs_not_succeeded": totals.failed,
-    }
-
-
-def _pair_figures(pair: Pair) -> dict[str, Any]:
-    """One pair as the JSON reports it: both arms side by side, so an outlier can be read."""
-    return {
-        "order": "service-first" if pair.service_first else "standalone-first",
-        "ratio": pair.ratio,
-        "body_ratio": pair.body_ratio,
-        "shard_ratio": pair.shard_ratio,
-        "standalone_rps": pair.standalone.requests_per_second,
-        "service_rps": pair.service.requests_per_second,
-        "standalone_tokens_per_s": pair.standalone.tokens_per_second,
-        "service_tokens_per_s": pair.service.tokens_per_second,
-        "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,
-        "service_cpu_s_per_job": pair.service.cpu_seconds_per_job,
-        "standalone_outside_engine_cpu_s_per_job":
-            pair.standalone.outside_engine_cpu_seconds_per_job,
-        "service_outside_engine_cpu_s_per_job":
-            pair.service.outside_engine_cpu_seconds_per_job,
-        "standalone_outside_engine_cpu_ms_per_job_by_role":
-            outside_engine_ms_per_job_by_role([pair.standalone]),
-        "service_outside_engine_cpu_ms_per_job_by_role":
-            outside_engine_ms_per_job_by_role([pair.service]),
-        "standalone_steal_s": pair.standalone.steal_seconds,
-        "service_steal_s": pair.service.steal_seconds,
-        "standalone_unaccounted_cpu_s": pair.standalone.unaccounted_cpu_seconds,
-        "service_unaccounted_cpu_s": pair.service.unaccounted_cpu_seconds,
-        "standalone_foreign_cpu_s": pair.standalone.bounded_foreign_cpu_seconds,
-        "service_foreign_cpu_s": pair.service.bounded_foreign_cpu_seconds,
-        "disturbed": pair.disturbed,
-        "standalone_head_ms": pair.standalone.head_seconds * 1000,
-        "service_head_ms": pair.service.head_seconds * 1000,
-        "service_tail_ms": pair.service.tail_seconds * 1000,
-        "standalone_runner_wait_ms": pair.standalone.runner_wait_seconds * 1000,
-        "service_runner_wait_ms": pair.service.runner_wait_seconds * 1000,
-        "standalone_engine_steps": pair.standalone.engine_steps,
-        "service_engine_steps": pair.service.engine_steps,
-        "standalone_engine_step_tokens": pair.standalone.engine_step_tokens,
-        "service_engine_step_tokens": pair.service.engine_step_tokens,
-        "standalone_shard_finish_spread_ms": milliseconds(
-            pair.standalone.shard_finish_spread_seconds),
-        "service_shard_finish_spread_ms": milliseconds(pair.service.shard_finish_spread_seconds),
-    }
-
-
-def plot_pairs(result: dict[str, Any], path: Path) -> None:
-    """Per-pair throughput ratio and CPU-seconds per job of both arms, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    pairs = result["pairs"]
-    # The service arm's slot, then the standalone arm's (either may hold something else).
-    first, second = result["arms"].split("/")
-    index = list(range(1, len(pairs) + 1))
-    figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4))
-    left.plot(index, [pair["ratio"] for pair in pairs], "o-", label=f"{first} / {second}")
-    left.axhline(0.99, color="red", linestyle="--", label="0.99")
-    left.axhline(1.0, color="gray", linewidth=0.8)
-    left.set_xlabel("pair")
-    left.set_ylabel("throughput ratio")
-    low, high = result["median_ratio_interval_95"]
-    left.set_title(f"{result['workload']}, {result['shards']} shard(s): "
-                   f"median {result['median_ratio']:.4f} ({low:.3f}-{high:.3f})")
-    left.legend()
-    width = 0.4
-    right.bar([i - width / 2 for i in index], [p["standalone_cpu_s_per_job"] for p in pairs],
-              width, label=second)
-    right.bar([i + width / 2 for i in index], [p["service_cpu_s_per_job"] for p in pairs],
-              width, label=first)
-    right.set_xlabel("pair")
-    right.set_ylabel("CPU seconds per job")
-    right.set_title(f"cpu_ratio {result['cpu_ratio']:.4f}")
-    right.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)

@@ -39,7 +39,8 @@ def _demo(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> None:
-    from jobsvc.bench.run import BenchOptions, run_bench
+    from jobsvc.bench.options import BenchOptions
+    from jobsvc.bench.run import run_bench
 
     # Standard output is for the JSON result; the in-process engines log to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -1,13 +1,14 @@
 """Moving work off shards that leave the fleet: dead ones (a worker silent for
 `JOBSVC_SHARD_TIMEOUT` seconds) and drained ones (`jobsvc drain`).
 
-A job is moved by routing it again through the router (so a document's jobs stay together
-and land on live shards), recording its new shard, message and load in the store, and only
-then publishing the new messages. The store update is conditional on the job still being
-unfinished on the old shard, so a job moves once even if two movers raced; the old shard's
-messages, queued or unacknowledged, then match no job (a claim names shard and message) and
-run nothing. The reconciler moves dead shards' jobs under its lock, and forgets a dead
-shard's routing state (affinity entries, load, cache estimate) once."""
+A job is moved through the one door every job goes through (`jobsvc.dispatch`): routed again
+(so a document's jobs stay together and land on live shards), its new shard, message and load
+recorded in the store, and only then the new messages published. The store update is
+conditional on the job still being unfinished on the old shard, so a job moves once even if
+two movers raced; the old shard's messages, queued or unacknowledged, then match no job (a
+claim names shard and message) and run nothing. The reconciler moves dead shards' jobs under
+its lock, and forgets a dead shard's routing state (affinity entries, load, cache estimate)
+once."""
 
 from __future__ import annotations
 
@@ -19,16 +20,13 @@ import redis
 from celery import Celery
 from redis.lock import Lock
 
+from jobsvc.dispatch import Dispatcher
 from jobsvc.health import SeenWorker
 from jobsvc.keys import DEPARTED_KEY, DRAINING_KEY, RECONCILE_LOCK_KEY
-from jobsvc.messages import PlacedJob, form_messages
-from jobsvc.routing.job_cost import Route, RoutingJob, decode_load, loads_per_shard
-from jobsvc.routing.prefix import DocumentKeys, document_keys
-from jobsvc.routing.router import forget_shard, make_router
-from jobsvc.routing.state import ShardState
+from jobsvc.routing.ledger import LoadLedger
+from jobsvc.routing.router import forget_shard
 from jobsvc.settings import Settings
-from jobsvc.store import MovableJob, Store, utcnow
-from jobsvc.transport import publish
+from jobsvc.store import Store, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +54,6 @@ def dead_shards(silences: Mapping[int, float], live: Iterable[int], timeout_s: f
     live = set(live)
     return {shard for shard, silent_s in silences.items()
             if silent_s > timeout_s and shard not in live and shard != own}
-
-
-def routing_keys(job: MovableJob, block_size: int) -> DocumentKeys:
-    """The job's document keys as its producer made them; a document kept only as text (or
-    not readable) is routed by its key alone, which costs at most a cache miss."""
-    if isinstance(job.document, tuple):
-        return document_keys(job.document, block_size)
-    return DocumentKeys(job.document_key, job.document_key, 0, ())
 
 
 def rejoin(client: redis.Redis, shard: int) -> None:
@@ -94,11 +84,9 @@ class ShardMover:
 
     def __init__(self, settings: Settings, client: redis.Redis, store: Store,
                  celery: Celery) -> None:
-        self._settings = settings
         self._redis = client
         self._store = store
-        self._celery = celery
-        self._state = ShardState(client)
+        self._dispatcher = Dispatcher(settings, client, store, celery, LoadLedger(client))
 
     def move(self, shard: int, *, unclaimed_only: bool,
              waited_s: float | None = None) -> int:
@@ -111,33 +99,10 @@ class ShardMover:
                                          limit=MOST_JOBS_PER_MOVE)
         if not jobs:
             return 0
-        # A router of its own reads the live set afresh: the shard has just left it.
-        router = make_router(self._redis, self._state, self._settings)
-        cost = self._settings.routing_decode_cost
-        # Jobs on one document share its keys: each document is hashed once.
-        keys = {job.document_key: routing_keys(job, self._settings.block_size) for job in jobs}
-        routes = router.route([
-            RoutingJob(keys[job.document_key], job.prompt_tokens,
-                       decode_load(job.max_tokens, cost)) for job in jobs])
-        placed = [(job, route) for job, route in zip(jobs, routes, strict=True)
-                  if route.shard != shard]
-        messages = form_messages([PlacedJob(job.job_id, route.shard, job.document_key)
-                                 for job, route in placed], self._settings.batch_size)
-        route_of: dict[str, Route] = {job.job_id: route for job, route in placed}
-        moved = self._store.move_jobs(shard, messages, route_of, unclaimed_only=unclaimed_only)
-        # What routing charged for jobs that stay, and what the moved ones held on the shard
-        # they left, is returned.
-        self._state.release(loads_per_shard(
-            [(route.shard, route.load) for job, route in zip(jobs, routes, strict=True)
-             if job.job_id not in moved]
-            + [(shard, job.load) for job in jobs if job.job_id in moved]))
-        # Recorded first: should the send fail, the jobs have no live message and the
-        # reconciler sends them again on their new shards.
-        publish(self._celery, [message for message in messages
-                               if any(job_id in moved for job_id in message.job_ids)])
+        moved = self._dispatcher.move(shard, jobs, unclaimed_only=unclaimed_only)
         if moved:
             log.warning("moved %d unfinished jobs off shard %d to shards %s", len(moved), shard,
-                        sorted({route_of[job_id].shard for job_id in moved}))
+                        sorted(set(moved.values())))
         return len(moved)
 
     def move_unclaimed(self, shard: int) -> int:

@@ -20,7 +20,12 @@ class JobsvcError(Exception):
 
 
 class InvalidJob(JobsvcError, ValueError):
-    """A job was refused at submit time; nothing was enqueued or recorded."""
+    """A job was refused at submit time; nothing was enqueued or recorded. `field` names the
+    field at fault, where there is one (a batch line's 400 reports it as `param`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class JobNotFound(JobsvcError, KeyError):

@@ -16,7 +16,7 @@ import redis
 
 from jobsvc.health import SeenWorker, read_heartbeats
 from jobsvc.keys import ALL_QUEUES_PATTERN, queue_name, shard_of_queue
-from jobsvc.routing.state import ShardState
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.wire import ACTIVE_STATUSES
@@ -83,7 +83,7 @@ class FleetReader:
         self._configured = settings.shards
         self._redis = client
         self._store = store
-        self._loads = ShardState(client)
+        self._loads = LoadLedger(client)
 
     def read(self, only: int | None = None) -> Fleet:
         """Every listed shard, or shard `only` alone (listed or not)."""

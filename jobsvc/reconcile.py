@@ -32,14 +32,13 @@ from jobsvc.departures import (
     reconcile_lock,
     rejoin_alive,
 )
+from jobsvc.dispatch import Dispatcher
 from jobsvc.health import read_heartbeats, read_silences
 from jobsvc.keys import UNACKED_KEY, queue_name
-from jobsvc.messages import PlacedJob, form_messages
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
-from jobsvc.routing.state import ShardState
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
-from jobsvc.transport import publish
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +88,9 @@ class Reconciler:
         self._settings = settings
         self._redis = client
         self._store = store
-        self._celery = celery
         self._own_shard = own_shard
-        self._shard_state = ShardState(client)
+        self._ledger = LoadLedger(client)
+        self._dispatcher = Dispatcher(settings, client, store, celery, self._ledger)
         self._mover = ShardMover(settings, client, store, celery)
         # Each shard's store-minus-Redis load difference at the last round: only a difference
         # that persists across two rounds is corrected, since submits and finishing jobs
@@ -154,23 +153,16 @@ class Reconciler:
         time.sleep(_SECOND_LOOK_SECONDS)
         live |= self._live_messages(shards)
         stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND)
-        # The jobs' documents are recorded: a message's jobs only need to stand together.
-        messages = form_messages([PlacedJob(job_id, shard, "") for shard, job_ids
-                                 in stranded.items() for job_id in job_ids],
-                                self._settings.batch_size)
-        if not messages:
+        count = self._dispatcher.requeue(stranded)
+        if not count:
             return 0
-        # Recorded first: should the send fail, the next round finds the jobs again.
-        self._store.assign_messages(messages)
-        publish(self._celery, messages)
-        count = sum(len(message.job_ids) for message in messages)
         log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
                     count)
         return count
 
     def _correct_load(self) -> dict[int, int]:
         true_loads = self._store.active_load()
-        recorded = self._shard_state.loads()
+        recorded = self._ledger.loads()
         corrections: dict[int, tuple[int, int]] = {}
         drift: dict[int, int] = {}
         for shard in true_loads.keys() | recorded.keys():
@@ -184,7 +176,7 @@ class Reconciler:
                 step = min(abs(drift[shard]), abs(last))
                 corrections[shard] = (step if drift[shard] > 0 else -step, true_load)
         self._last_drift = drift
-        self._shard_state.correct(corrections)
+        self._ledger.correct(corrections)
         deltas = {shard: delta for shard, (delta, _) in corrections.items()}
         if deltas:
             log.warning("corrected shard loads that no unfinished job accounted for: %s", deltas)

@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 from typing import IO
 
-from jobsvc.batchapi.batchstore import COMPLETION_WINDOW, UNFINISHED, BatchRecord, BatchStore
 from jobsvc.batchapi.driver import BatchDriver, file_line
-from jobsvc.batchapi.filestore import CHUNK_BYTES
 from jobsvc.batchapi.lines import ENDPOINTS, split_lines
 from jobsvc.batchapi.output_lines import jsonl, vllm_line
 from jobsvc.console import ProgressBar
 from jobsvc.errors import JobsvcError
 from jobsvc.server.services import Services
 from jobsvc.settings import Settings
+from jobsvc.store.batches import COMPLETION_WINDOW, UNFINISHED, BatchRecord, BatchStore
+from jobsvc.store.files import CHUNK_BYTES
 
 _ROUND_SECONDS = 0.5
 

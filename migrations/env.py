@@ -4,7 +4,8 @@ migrate` (or read from JOBSVC_DATABASE_URL when alembic is run by hand)."""
 from alembic import context
 
 from jobsvc.settings import Settings
-from jobsvc.store import Base, make_engine
+from jobsvc.store import make_engine
+from jobsvc.store.tables import Base
 
 config = context.config
 database_url = config.attributes.get("database_url") or Settings.from_env().resolved_database_url

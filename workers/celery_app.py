@@ -21,7 +21,7 @@ from jobsvc.keys import CANCEL_CHANNEL, queue_name
 from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
 from jobsvc.routing.feedback import CacheFeedback
-from jobsvc.routing.state import ShardState
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_MESSAGE_TASK, make_celery
@@ -67,7 +67,7 @@ class WorkerRuntime:
                                     on_engine_dead=self._engine_died)
         self._reaper = EngineReaper()
         self._feedback = CacheFeedback(self._redis)
-        self._recorder = ResultRecorder(self._store, ShardState(self._redis),
+        self._recorder = ResultRecorder(self._store, LoadLedger(self._redis),
                                         self._feedback, settings.block_size)
         self.leases = LeaseKeeper(self._redis, settings.visibility_timeout)
         self.prompts = PromptBuilder(settings.model, settings.max_model_len)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobsvc.prompts import PromptBuilder
-from jobsvc.store import ClaimedJob, JobOutcome, Store
+from jobsvc.store import ClaimedJob, JobOutcome, MessageStats, Store
 from jobsvc.wire import MessageError, QueueMessage
 from jobsvc.workers.engine import EngineAdapter, EngineRequest, EngineResult
 from jobsvc.workers.hooks import FinishedMessage, WorkerHooks
@@ -131,7 +131,7 @@ class MessageRunner:
         self._engine.submit(requests, on_result).result()
         completion.wait()
         if results:
-            self._recorder.message_finished(self._batch_stats(started, results))
+            self._recorder.message_finished(self._message_stats(started, results))
             self._hooks.on_jobs_finished(FinishedMessage(self.shard, started, jobs, results))
         self._hooks.on_message_end(len(requests), started)
         return ended
@@ -209,20 +209,19 @@ class MessageRunner:
         with self._lock:
             return list(self._running)
 
-    def _batch_stats(self, started: float, results: list[EngineResult]) -> dict[str, Any]:
+    def _message_stats(self, started: float, results: list[EngineResult]) -> MessageStats:
         finished = max(result.finished_at for result in results)
         wall = max(finished - started, 1e-9)
         completion_tokens = sum(result.completion_tokens for result in results)
-        return {
-            "worker": self.worker_name, "shard": self.shard, "jobs": len(results),
-            "prompt_tokens": sum(result.prompt_tokens for result in results),
-            "completion_tokens": completion_tokens,
-            "cached_tokens": sum(result.cached_tokens for result in results),
-            "started_at": datetime.fromtimestamp(started, UTC),
-            "finished_at": datetime.fromtimestamp(finished, UTC),
-            "wall_seconds": wall, "requests_per_second": len(results) / wall,
-            "tokens_per_second": completion_tokens / wall,
-        }
+        return MessageStats(
+            worker=self.worker_name, shard=self.shard, jobs=len(results),
+            prompt_tokens=sum(result.prompt_tokens for result in results),
+            completion_tokens=completion_tokens,
+            cached_tokens=sum(result.cached_tokens for result in results),
+            started_at=datetime.fromtimestamp(started, UTC),
+            finished_at=datetime.fromtimestamp(finished, UTC),
+            wall_seconds=wall, requests_per_second=len(results) / wall,
+            tokens_per_second=completion_tokens / wall)
 
 
 def _outcome(result: EngineResult) -> JobOutcome:

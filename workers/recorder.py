@@ -20,8 +20,8 @@ from typing import Any
 
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.job_cost import loads_per_shard
-from jobsvc.routing.state import ShardState
-from jobsvc.store import JobOutcome, Store
+from jobsvc.routing.ledger import LoadLedger
+from jobsvc.store import JobOutcome, MessageStats, Store
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class _Pending:
     # Per shard: expected minus actual cached blocks summed, longest document in blocks.
     cache_errors: dict[int, tuple[int, int]] = field(default_factory=dict)
     completions: dict[int, tuple[Completion, int]] = field(default_factory=dict)
-    batch_stats: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[MessageStats] = field(default_factory=list)
     started: dict[str, datetime] = field(default_factory=dict)
 
 
@@ -90,11 +90,11 @@ class ResultRecorder:
     """Writes results from a thread of its own, gathered into few transactions, so the engine's loop
     never waits on the database."""
 
-    def __init__(self, store: Store, shard_state: ShardState, feedback: CacheFeedback,
+    def __init__(self, store: Store, ledger: LoadLedger, feedback: CacheFeedback,
                  block_size: int, gather_seconds: float = _GATHER_SECONDS) -> None:
         self._store = store
         self._gather_seconds = gather_seconds
-        self._shard_state = shard_state
+        self._ledger = ledger
         self._feedback = feedback
         self._block_size = block_size
         self._gathered: list[tuple[str, Any]] = []
@@ -124,9 +124,9 @@ class ResultRecorder:
         """Jobs admitted to the engine: they show as running from the next write on."""
         self._gather(("started", (job_ids, started_at)))
 
-    def message_finished(self, row: dict[str, Any]) -> None:
-        """Hand over a message's stats row (`batch_stats`) to be written with the next results."""
-        self._gather(("message", row))
+    def message_finished(self, stats: MessageStats) -> None:
+        """Hand over a message's statistics to be written with the next results."""
+        self._gather(("message", stats))
 
     def release_load(self, releases: dict[int, int]) -> None:
         """Return the load of jobs that ended without running (failed at their claim)."""
@@ -162,7 +162,7 @@ class ResultRecorder:
     def _add(self, pending: _Pending, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "message":
-            pending.batch_stats.append(payload)
+            pending.messages.append(payload)
             return
         if kind == "started":
             job_ids, started_at = payload
@@ -182,10 +182,10 @@ class ResultRecorder:
         pending.completions[id(completion)] = (known, count + 1)
 
     def _write(self, pending: _Pending) -> None:
-        if pending.outcomes or pending.batch_stats or pending.started:
+        if pending.outcomes or pending.messages or pending.started:
             pending.releases += self._record_until_done(pending).items()
         try:
-            self._shard_state.release(loads_per_shard(pending.releases))
+            self._ledger.release(loads_per_shard(pending.releases))
             self._feedback.jobs_ran(pending.cache_errors)
         except Exception as error:
             log.warning("could not return shard load %s or cache feedback: %s",
@@ -200,7 +200,7 @@ class ResultRecorder:
         attempt = 0
         while True:
             try:
-                return self._store.record_outcomes(pending.outcomes, pending.batch_stats,
+                return self._store.record_outcomes(pending.outcomes, pending.messages,
                                                    pending.started)
             except Exception as error:
                 delay = _RETRY_SECONDS[min(attempt, len(_RETRY_SECONDS) - 1)]

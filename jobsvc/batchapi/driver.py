@@ -1,9 +1,9 @@
 """The batch driver: a thread of `jobsvc serve` that takes every unfinished batch to its end.
 
 Each round it takes the lease of the batches no other live server drives (see
-`batchstore`), then moves each one step: validate the file, make its lines jobs (a slice at a
-time, recording each slice's lines and progress together, under idempotency keys, so a
-server killed mid-slice and restarted makes no job twice), follow its jobs, and at the end
+`jobsvc.store.batches`), then moves each one step: validate the file, make its lines jobs (a
+slice at a time, recording each slice's lines and progress together, under idempotency keys,
+so a server killed mid-slice and restarted makes no job twice), follow its jobs, and at the end
 write the output and error files. Cancelling or expiry cancels the batch's unfinished jobs
 through `Client.cancel_many`, and the lines never submitted end with the same error code.
 Everything it knows is in the database: a restarted server, or another one once the lease
@@ -21,22 +21,12 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from jobsvc.batchapi.batchstore import (
-    BatchChanged,
-    BatchRecord,
-    BatchStore,
-    LeaseLost,
-    OutputRow,
-    Tally,
-)
-from jobsvc.batchapi.filestore import FileStore, FileWriter
-from jobsvc.batchapi.ingest import Ingestor, LineOutcome
+from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.lines import (
     FileCheck,
     FileError,
@@ -61,7 +51,18 @@ from jobsvc.client import Client
 from jobsvc.errors import BROKER_ERRORS, BrokerUnavailable, StorageUnavailable
 from jobsvc.settings import Settings
 from jobsvc.store import utcnow
-from jobsvc.wire import JobStatus, storable
+from jobsvc.store.batches import (
+    BatchChanged,
+    BatchRecord,
+    BatchStore,
+    LeaseLost,
+    LineOutcome,
+    OutputRow,
+    Tally,
+)
+from jobsvc.store.files import FileStore, FileWriter
+from jobsvc.validation import storable
+from jobsvc.wire import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ SLICE_LINES = 1000
 # Jobs cancelled per statement.
 _CANCEL_PAGE = 2000
 _ROUND_SECONDS = 1.0
-_FINAL_STATUS_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
-                       "expired": "expired_at"}
 # What a lost database or Redis raises: the step is taken again next round (what it submitted
 # is found by key). Anything else a step raises is the batch's own and ends it.
 _OUTAGES = (StorageUnavailable, BrokerUnavailable, OperationalError, InterfaceError,
@@ -158,12 +157,11 @@ class BatchDriver:
         try:
             while job_ids := self._batches.unfinished_jobs(batch.id, _CANCEL_PAGE):
                 self._client.cancel_many(job_ids)
-                self._advance(batch)
+                self._renew(batch)
             tally = self._batches.tally(batch.id)
-            self._advance(batch, status="failed", failed_at=utcnow(), driver=None,
-                          errors=[FileError("batch_failed", message).to_api()],
-                          completed=tally.succeeded, failed=batch.total - tally.succeeded,
-                          usage=tally.usage())
+            self._batches.end(batch.id, self.name, self._lease, "failed", tally=tally,
+                              failed=batch.total - tally.succeeded,
+                              errors=[FileError("batch_failed", message).to_api()])
         except Exception:
             # Taken up again next round, from whatever state the batch is left in.
             log.exception("batch %s could not be marked failed", batch.id)
@@ -179,8 +177,7 @@ class BatchDriver:
                 self._validate(batch)
         elif batch.status == "in_progress":
             if expired:
-                self._advance(batch, status_was="in_progress", status="finalizing",
-                              ending="expired", finalizing_at=utcnow())
+                self._batches.expire(batch.id, self.name, self._lease)
                 return
             tally = self._batches.tally(batch.id)
             if tally.lines < batch.total:
@@ -190,10 +187,8 @@ class BatchDriver:
         else:
             self._end(batch, batch.ending or "completed")
 
-    def _advance(self, batch: BatchRecord, *, status_was: str | None = None,
-                 connection: Connection | None = None, **values: Any) -> None:
-        self._batches.advance(batch.id, self.name, self._lease, status_was=status_was,
-                              connection=connection, **values)
+    def _renew(self, batch: BatchRecord) -> None:
+        self._batches.renew(batch.id, self.name, self._lease)
 
     def _validate(self, batch: BatchRecord) -> None:
         check = FileCheck(batch.endpoint)
@@ -207,14 +202,12 @@ class BatchDriver:
                 if check.over_limit:
                     break
             check.finish()
-        now = utcnow()
         if check.failed:
             log.info("batch %s failed validation: %s", batch.id, check.errors[0].message)
-            self._advance(batch, status_was="validating", status="failed", failed_at=now,
-                          errors=[error.to_api() for error in check.errors], driver=None)
+            self._batches.refuse(batch.id, self.name, self._lease,
+                                 [error.to_api() for error in check.errors])
             return
-        self._advance(batch, status_was="validating", status="in_progress", in_progress_at=now,
-                      total=check.requests)
+        self._batches.start(batch.id, self.name, self._lease, check.requests)
         log.info("batch %s: %d requests, validated", batch.id, check.requests)
 
     def _lines(self, batch: BatchRecord) -> Iterator[tuple[int, RawLine]]:
@@ -251,33 +244,28 @@ class BatchDriver:
 
     def _follow(self, batch: BatchRecord, tally: Tally) -> None:
         """Bring the request counts up to `tally`; once every line has ended, finalize."""
-        values: dict[str, Any] = {"completed": tally.succeeded, "failed": tally.failed,
-                                  "usage": tally.usage()}
-        if tally.lines == batch.total and tally.unfinished == 0:
-            values.update(status="finalizing", ending="completed", finalizing_at=utcnow())
-        self._advance(batch, status_was="in_progress", **values)
+        self._batches.follow(batch.id, self.name, self._lease, tally,
+                             finalize=tally.lines == batch.total and tally.unfinished == 0)
 
     def _end(self, batch: BatchRecord, ending: str) -> None:
         """Take a batch to `ending`: after a cancel or expiry, end what has not run; then
         write the output and error files and the final state, in one transaction."""
         if batch.in_progress_at is None:
             # Never validated: no line was read, so there is nothing to end or write.
-            self._advance(batch, status=ending, driver=None,
-                          **{_FINAL_STATUS_STAMP[ending]: utcnow()})
+            self._batches.end(batch.id, self.name, self._lease, ending)
             return
         if ending != "completed":
             while job_ids := self._batches.unfinished_jobs(batch.id, _CANCEL_PAGE):
                 self._client.cancel_many(job_ids)
-                self._advance(batch)
+                self._renew(batch)
             if self._batches.tally(batch.id).lines < batch.total:
                 self._end_unread(batch, ending)
         tally = self._batches.tally(batch.id)
         with self._engine.connect() as connection, connection.begin():
             output_id, error_id = self._write_files(batch, ending, connection)
-            self._advance(batch, connection=connection, status=ending, driver=None,
-                          output_file_id=output_id, error_file_id=error_id,
-                          completed=tally.succeeded, failed=tally.lines - tally.succeeded,
-                          usage=tally.usage(), **{_FINAL_STATUS_STAMP[ending]: utcnow()})
+            self._batches.end(batch.id, self.name, self._lease, ending, tally=tally,
+                              failed=tally.lines - tally.succeeded, output_file_id=output_id,
+                              error_file_id=error_id, connection=connection)
         log.info("batch %s %s: %d succeeded, %d failed", batch.id, ending, tally.succeeded,
                  tally.lines - tally.succeeded)
 
@@ -304,7 +292,7 @@ class BatchDriver:
                                                     model=model)))
             # A lease renewed on its own connection: this transaction has not touched the
             # batch's row yet, so it holds no lock the renewal would wait for.
-            self._advance(batch)
+            self._renew(batch)
         return files["output"].close(), files["error"].close()
 
 

@@ -1,8 +1,9 @@
 """A slice of a batch file's request lines, made jobs: each line checked and cut into shared
-prefix + own suffix (`chat_template`), each distinct prefix tokenized once, prompt lengths checked,
-and the slice submitted through `Client.submit_prepared` under idempotency keys made from the
-batch and the line's custom_id, so a slice submitted again (a server that stopped before it
-recorded its progress) gets the jobs it made the first time."""
+prefix + own suffix (`chat_template`), each distinct prefix tokenized once, each prompt checked
+against the model (`jobsvc.validation`), and the slice submitted through
+`Client.submit_prepared` under idempotency keys made from the batch and the line's custom_id,
+so a slice submitted again (a server that stopped before it recorded its progress) gets the
+jobs it made the first time."""
 
 from __future__ import annotations
 
@@ -19,23 +20,17 @@ from jobsvc.batchapi.line_requests import (
     parse_request,
 )
 from jobsvc.batchapi.lines import RequestLine
-from jobsvc.client import Client, PreparedJob
+from jobsvc.client import Client
+from jobsvc.dispatch import PreparedJob
+from jobsvc.errors import InvalidJob
 from jobsvc.prompts import PromptBuilder
+from jobsvc.store.batches import LineOutcome
+from jobsvc.validation import ContextExceeded, check_prompt
 
 
 def idempotency_key(batch_id: str, custom_id: str) -> str:
     """The key of the job a batch's line makes: the same for every submit of that line."""
     return f"{batch_id}:{hashlib.blake2b(custom_id.encode(), digest_size=16).hexdigest()}"
-
-
-@dataclass(frozen=True)
-class LineOutcome:
-    """A line's row in batch_lines: its job, or the 400 that kept it from having one."""
-
-    line: int
-    custom_id: str
-    job_id: str | None
-    error: dict[str, Any] | None
 
 
 def invalid(error: LineError) -> dict[str, Any]:
@@ -95,7 +90,8 @@ class Ingestor:
 
     def _prepare(self, batch_id: str, endpoint: str, accepted: list[_Accepted],
                  errors: dict[int, LineError]) -> list[tuple[_Accepted, PreparedJob]]:
-        """Tokenize (each distinct prefix once), check lengths, and make the jobs."""
+        """Tokenize (each distinct prefix once), check each prompt against the model, and
+        make the jobs."""
         # A rendered chat carries its special tokens as text; a completions prompt gets the
         # model's leading ones, as vLLM's endpoints tokenize them.
         completions = endpoint != CHAT_ENDPOINT
@@ -105,6 +101,7 @@ class Ingestor:
         suffix_tokens = self._prompts.encode([item.split.suffix for item in accepted],
                                              special=False)
         context = self._prompts.context_length
+        prompt_field = "prompt" if completions else "messages"
         jobs = []
         for item, suffix in zip(accepted, suffix_tokens, strict=True):
             prefix = prefix_tokens[item.split.prefix]
@@ -114,27 +111,15 @@ class Ingestor:
                 prefix, suffix = joined[:1], joined[1:]
             prompt = len(prefix) + len(suffix)
             max_tokens = item.max_tokens if item.max_tokens is not None else context - prompt
+            sampling = {**item.sampling, "max_tokens": max_tokens}
             try:
-                _check_length(prompt, max_tokens, context, completions, bool(suffix))
-                if item.sampling.get("min_tokens", 0) > max_tokens:
-                    raise LineError("min_tokens must not exceed max_tokens", "min_tokens")
-            except LineError as error:
-                errors[item.request.line] = error
+                check_prompt(prompt, sampling, context, prompt_field=prompt_field)
+            except InvalidJob as error:
+                errors[item.request.line] = LineError(
+                    str(error), error.field, "context_length_exceeded"
+                    if isinstance(error, ContextExceeded) else "invalid_value")
                 continue
             jobs.append((item, PreparedJob(
-                item.split.prefix, prefix, item.split.suffix, suffix,
-                {**item.sampling, "max_tokens": max_tokens},
+                item.split.prefix, prefix, item.split.suffix, suffix, sampling,
                 idempotency_key(batch_id, item.request.custom_id))))
         return jobs
-
-
-def _check_length(prompt: int, max_tokens: int, context: int, completions: bool,
-                  has_suffix: bool) -> None:
-    field = "prompt" if completions else "messages"
-    if not has_suffix:
-        raise LineError(f"{field} is too short: its prompt is a single token", field)
-    if prompt + max(max_tokens, 1) > context:
-        raise LineError(
-            f"the prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the model's "
-            f"context of {context} tokens; shorten the {field} or lower max_tokens",
-            field if prompt >= context else "max_tokens", "context_length_exceeded")

@@ -2,8 +2,9 @@
 prompt, and sampling settings in jobsvc's terms (those of vLLM's SamplingParams). A line that
 asks for something wrong or unsupported fails alone, with an error naming the field, as an
 OpenAI endpoint would answer it with a 400 (text that cannot be stored or tokenized was
-refused before, with the line: `jobsvc.batchapi.lines`). Pure: plain values in, plain values
-out."""
+refused before, with the line: `jobsvc.batchapi.lines`). What the request may ask for is
+decided here; the values it gives are checked by `jobsvc.validation`, as every job's are.
+Pure: plain values in, plain values out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.errors import InvalidJob
-from jobsvc.wire import check_sampling_value
+from jobsvc.validation import check_sampling, check_sampling_value
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -119,14 +120,10 @@ def _sampling(body: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
-    for name, value in sampling.items():
-        try:
-            check_sampling_value(name, value, max_stop_chars)
-        except InvalidJob as error:
-            raise LineError(str(error), name) from None
-    if "stop" in sampling:
-        sampling["stop"] = list(sampling["stop"])
-    return sampling
+    try:
+        return check_sampling(sampling, max_stop_chars)
+    except InvalidJob as error:
+        raise LineError(str(error), error.field) from None
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
@@ -134,9 +131,9 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
         value = body.get(name)
         if value is not None:
             try:
-                check_sampling_value("max_tokens", value, 0)
+                check_sampling_value("max_tokens", value, 0, field=name)
             except InvalidJob as error:
-                raise LineError(str(error).replace("max_tokens", name, 1), name) from None
+                raise LineError(str(error), error.field) from None
             return int(value)
     return None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobsvc.batchapi.line_requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, LineError
-from jobsvc.wire import storable, text_fault
+from jobsvc.validation import first_unstorable, storable
 
 # OpenAI's limit on requests in one batch file.
 MAX_LINES = 50_000
@@ -191,24 +191,6 @@ def _depth(data: bytes) -> int:
     return depth
 
 
-def _unstorable(value: Any, path: str) -> tuple[str, str] | None:
-    """The first string (or key) in `value` that PostgreSQL or the tokenizer would refuse:
-    where it is, and what is wrong with it."""
-    if isinstance(value, str):
-        fault = text_fault(value)
-        return None if fault is None else (path, fault)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            where = f"{path}.{storable(key)}" if path else storable(key)
-            if found := _unstorable(key, where) or _unstorable(item, where):
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            if found := _unstorable(item, f"{path}[{index}]"):
-                return found
-    return None
-
-
 def _refused_alone(line: int, custom_id: str | None, error: LineError) -> RequestLine:
     """A line that fails alone, when its custom_id was found; else it fails the file."""
     if custom_id is None:
@@ -255,7 +237,7 @@ def parse_line(line: int, raw: RawLine, endpoint: str) -> RequestLine:
     if not isinstance(body, dict):
         raise LineStructureError(FileError(
             "invalid_request", f"line {line}: body must be a JSON object", line, "body"))
-    if found := _unstorable(custom_id, "custom_id") or _unstorable(body, ""):
+    if found := first_unstorable(custom_id, "custom_id") or first_unstorable(body):
         param, fault = found
         return _refused_alone(line, custom_id, LineError(
             f"{param} contains {fault}, which can be neither stored nor tokenized; remove it",

@@ -10,10 +10,12 @@ import redis
 from jobsvc.keys import CACHE_KEY_PREFIX, CAPACITY_KEY, REPORTED_CAPACITY_KEY, cache_key
 
 # Moves a shard's learned capacity by the summed error of its jobs' cache expectations (in
-# blocks), within [longest chain seen, reported capacity], and forgets what no longer fits.
+# blocks), within [longest chain seen or one block, reported capacity], and forgets what no
+# longer fits: `CacheAwarePolicy.learn`, atomic in Redis.
 _LEARN = """
 for i = 1, #ARGV, 3 do
-  local shard, error, floor = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local shard, error = ARGV[i], tonumber(ARGV[i + 1])
+  local floor = math.max(1, tonumber(ARGV[i + 2]))
   local reported = tonumber(redis.call('HGET', KEYS[1], shard))
   if reported then
     local current = tonumber(redis.call('HGET', KEYS[2], shard)) or reported
@@ -49,7 +51,7 @@ class CacheFeedback:
         the longest document chain among them in blocks)."""
         args: list[int | str] = []
         for shard, (error, floor) in errors.items():
-            args += [str(shard), error, max(1, floor)]
+            args += [str(shard), error, floor]
         if args:
             self._learn(keys=[REPORTED_CAPACITY_KEY, CAPACITY_KEY, CACHE_KEY_PREFIX], args=args)
 

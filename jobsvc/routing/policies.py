@@ -270,12 +270,18 @@ class CacheAwarePolicy(RoutingPolicy):
 
         The shard now holds the whole chain, whoever sent it there. A shorter hit than expected
         means the cache keeps fewer blocks than the estimate assumed (decode blocks and other
-        requests take room too), a longer one that it keeps more: the learned capacity moves
-        by the error, between the chain's length and the reported size."""
-        error = (expected_tokens - cached_tokens) // self.block_size
-        self.capacity[shard] = min(self.reported_capacity[shard],
-                                   max(len(blocks), self.capacity[shard] - error))
+        requests take room too), a longer one that it keeps more (`learn`)."""
+        self.learn(shard, (expected_tokens - cached_tokens) // self.block_size, len(blocks))
         self._touch(shard, blocks)
+
+    def learn(self, shard: int, error_blocks: int, floor_blocks: int) -> None:
+        """Move the shard's learned capacity down by `error_blocks` (up if negative), within
+        the longest chain seen (`floor_blocks`, at least one block) and the reported size, and
+        forget what no longer fits. Workers' reports make Redis do the same
+        (`routing.feedback`)."""
+        self.capacity[shard] = min(self.reported_capacity[shard],
+                                   max(floor_blocks, 1, self.capacity[shard] - error_blocks))
+        self._evict(shard)
 
     def seed(self, shard: int, prefixes: Sequence[Sequence[Hashable]], total_held: int) -> None:
         """Load the part of a shard's estimate that matters for the jobs at hand from a store

@@ -2,7 +2,7 @@
 in Redis so that any number of producers route as one. Each router loads its policy's state
 from Redis, lets the pure policy decide, and writes the state back.
 
-Every router charges the shards' shared load counters (`ShardState`) with each job's load (its
+Every router charges the shards' load ledger (`routing.ledger`) with each job's load (its
 estimated prefill plus its decode load), which workers return when the job ends.
 `cache_aware` also keeps, per shard, the block hashes its KV cache is estimated to hold (a
 sorted set scored by recency, trimmed to the capacity the shard's worker reported and the
@@ -35,6 +35,7 @@ from jobsvc.keys import (
     ROUTING_LOCK_KEY,
     cache_key,
 )
+from jobsvc.routing.affinity import AffinityMap
 from jobsvc.routing.job_cost import (
     DEFAULT_CAPACITY_BLOCKS,
     DocumentDemand,
@@ -44,6 +45,7 @@ from jobsvc.routing.job_cost import (
     estimated_routes,
     loads_per_shard,
 )
+from jobsvc.routing.ledger import LoadLedger, loads_of
 from jobsvc.routing.live import LiveShards
 from jobsvc.routing.policies import (
     AffinityPolicy,
@@ -53,7 +55,6 @@ from jobsvc.routing.policies import (
     RoutingPolicy,
     policy_class,
 )
-from jobsvc.routing.state import ShardState, loads_of
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,9 @@ class Router(ABC):
     """A policy made shared: any number of producers route through the state in Redis as one router
     would, and charge the same load counters."""
 
-    def __init__(self, client: redis.Redis, state: ShardState, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, ledger: LoadLedger, settings: Settings) -> None:
         self._redis = client
-        self._state = state
+        self._ledger = ledger
         self.shards = settings.shards
         self.settings = settings
         self._live = LiveShards(client, settings.shards)
@@ -95,7 +96,7 @@ class RoundRobinRouter(Router):
         live = self.live_shards()
         end = int(self._redis.incrby(ROUND_ROBIN_KEY, len(jobs)))
         routes = _on_shards(_deal(RoundRobinPolicy(len(live), first=end - len(jobs)), jobs), live)
-        self._state.charge(loads_per_shard((route.shard, route.load) for route in routes))
+        self._ledger.charge(loads_per_shard((route.shard, route.load) for route in routes))
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
@@ -104,15 +105,19 @@ class RoundRobinRouter(Router):
 
 
 class AffinityRouter(Router):
-    """`AffinityPolicy` over the affinity map and loads in Redis (`ShardState`), placing one
-    submit's documents in one read and one write."""
+    """`AffinityPolicy` over the affinity map (`AffinityMap`) and the loads in Redis, placing
+    one submit's documents in one read and one write."""
+
+    def __init__(self, client: redis.Redis, ledger: LoadLedger, settings: Settings) -> None:
+        super().__init__(client, ledger, settings)
+        self._affinity = AffinityMap(client, ledger)
 
     def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
         """Place each document on the live shard that holds it, or on the least loaded one if new,
         and claim the new placements; a race lost to another producer takes its shard."""
         live = self.live_shards()
         demands = document_demands(jobs)
-        placed, departed, loads = self._state.placements_and_loads(
+        placed, departed, loads = self._affinity.placements_and_loads(
             [demand.prefix_key for demand in demands], live)
         index = {shard: position for position, shard in enumerate(live)}
         policy = AffinityPolicy(len(live))
@@ -120,7 +125,7 @@ class AffinityRouter(Router):
         policy.shard_of.update({key: index[shard] for key, shard in placed.items()})
         chosen = [replace(placement, shard=live[placement.shard])
                   for placement in policy.place_documents(demands)]
-        placements = self._state.claim(demands, chosen, departed)
+        placements = self._affinity.claim(demands, chosen, departed)
         return _placed_routes(jobs, demands, placements)
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
@@ -226,9 +231,8 @@ class CacheAwareRouter(Router):
                 if scores:
                     pipe.zadd(cache_key(shard), scores)
                     pipe.zremrangebyrank(cache_key(shard), 0, -capacity[shard] - 1)
-            for shard, tokens in loads_per_shard((route.shard, route.load)
-                                                 for route in routes).items():
-                pipe.hincrby(LOAD_KEY, str(shard), tokens)
+            self._ledger.charge(loads_per_shard((route.shard, route.load) for route in routes),
+                                pipe=pipe)
             pipe.execute()
 
 
@@ -271,9 +275,9 @@ ROUTERS: dict[type[RoutingPolicy], type[Router]] = {
 }
 
 
-def make_router(client: redis.Redis, state: ShardState, settings: Settings) -> Router:
+def make_router(client: redis.Redis, ledger: LoadLedger, settings: Settings) -> Router:
     """The router for `settings.routing` (already validated by `Settings`)."""
-    return ROUTERS[policy_class(settings.routing)](client, state, settings)
+    return ROUTERS[policy_class(settings.routing)](client, ledger, settings)
 
 
 def _deal(policy: RoundRobinPolicy, jobs: Sequence[RoutingJob]) -> list[Route]:

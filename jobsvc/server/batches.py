@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from jobsvc.batchapi.batchstore import COMPLETION_WINDOW
 from jobsvc.batchapi.lines import ENDPOINTS
 from jobsvc.server.errors import ApiError, not_found
 from jobsvc.server.models import BatchList, BatchObject, CreateBatch, RequestText
 from jobsvc.server.services import services_of
+from jobsvc.store.batches import COMPLETION_WINDOW
 
 router = APIRouter(prefix="/v1/batches")
 

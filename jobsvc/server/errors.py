@@ -15,7 +15,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from jobsvc.errors import BrokerUnavailable, StorageUnavailable
-from jobsvc.wire import storable
+from jobsvc.validation import storable
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel
 
-from jobsvc.batchapi.batchstore import BatchRecord, Tally
-from jobsvc.batchapi.filestore import FileRecord
-from jobsvc.wire import text_fault
+from jobsvc.store.batches import BatchRecord, Tally
+from jobsvc.store.files import FileRecord
+from jobsvc.validation import text_fault
 
 
 def _storable(value: str) -> str:

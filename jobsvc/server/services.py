@@ -10,10 +10,8 @@ import redis
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
-from jobsvc.batchapi.batchstore import BatchStore
 from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.driver import BatchDriver
-from jobsvc.batchapi.filestore import FileStore
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.client import Client
 from jobsvc.fleet import FleetReader
@@ -21,6 +19,8 @@ from jobsvc.metrics import fleet_registry
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
 from jobsvc.store import Store
+from jobsvc.store.batches import BatchStore
+from jobsvc.store.files import FileStore
 
 
 @dataclass

@@ -17,9 +17,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from jobsvc.batchapi.filestore import CHUNK_BYTES, FileRecord, FileStore
 from jobsvc.server.errors import ApiError
-from jobsvc.wire import text_fault
+from jobsvc.store.files import CHUNK_BYTES, FileRecord, FileStore
+from jobsvc.validation import text_fault
 
 # Form fields other than the file are short (`purpose`): anything longer is refused.
 _MAX_FIELD_BYTES = 1024

@@ -33,16 +33,8 @@ from jobsvc.bench.measure import (
     summarize_pairs,
     wait_seconds,
 )
-from jobsvc.bench.run import (
-    BenchOptions,
-    _GcTotals,
-    _report,
-    _Totals,
-    bench_jobs,
-    check_options,
-    plot_pairs,
-    shard_devices,
-)
+from jobsvc.bench.options import BenchOptions, bench_jobs, check_options, shard_devices
+from jobsvc.bench.report import GcTotals, Totals, plot_pairs, run_report
 from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.settings import Settings
 from jobsvc.workloads import read_jsonl_jobs
@@ -363,7 +355,7 @@ def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() ->
                 "gc_pause_max_ms_by_generation": walls, "gc_collections_by_generation": counts,
                 "gc_idle_pause_max_ms": idle_pause, "gc_idle_collections": idle_count}
 
-    totals = _GcTotals()
+    totals = GcTotals()
     totals.add([{"shard0": reading(5.0, 2.0, [5.0, 1.0, 0.0], [10, 1, 0], 0.5, 4)},
                 {"shard1": reading(1.0, 1.0, [1.0, 0.0, 0.0], [3, 0, 0], 2.0, 1)}])
     totals.add([{"shard0": reading(3.0, 2.5, [2.0, 3.0, 0.0], [12, 1, 1], 1.5, 3)}])
@@ -375,25 +367,22 @@ def test_gc_totals_keep_each_workers_longest_pauses_and_sum_its_collections() ->
     assert totals.idle_collections == {"shard0": 7, "shard1": 1}
 
 
-def _report_of(totals: _Totals, standalone_twice: bool = False,
+def _report_of(totals: Totals, standalone_twice: bool = False,
                compare_admission: bool = False,
-               all_at_once_totals: _Totals | None = None) -> dict[str, Any]:
+               all_at_once_totals: Totals | None = None) -> dict[str, Any]:
     arm = ArmResult(jobs=4, seconds=2.0, output_tokens=64,
                     cpu_by_role={ENGINE_ROLE: 3.0, "worker": 0.2})
     slower = replace(arm, seconds=2.5)
     pairs = [Pair(arm, slower, service_first=False), Pair(slower, arm, service_first=True)]
-    bench = SimpleNamespace(totals=totals, all_at_once_totals=all_at_once_totals or _Totals(),
-                            options=BenchOptions(standalone_twice=standalone_twice,
-                                                 compare_admission=compare_admission),
-                            settings=SimpleNamespace(shards=1, routing="cache_aware",
-                                                     admission_chunk=32,
-                                                     admission_pause_ms=15.0))
-    return _report(bench, pairs, "all", {"all": 2.0}, ideal_rates=[0.5, 0.7],  # type: ignore[arg-type]
-                   bytes_raw=[1000, 3000])
+    settings = SimpleNamespace(shards=1, routing="cache_aware", admission_chunk=32,
+                               admission_pause_ms=15.0)
+    options = BenchOptions(standalone_twice=standalone_twice, compare_admission=compare_admission)
+    return run_report(settings, options, totals, all_at_once_totals or Totals(),  # type: ignore[arg-type]
+                      pairs, "all", {"all": 2.0}, ideal_rates=[0.5, 0.7], bytes_raw=[1000, 3000])
 
 
 def test_an_a_a_report_gives_the_ratios_and_leaves_out_what_only_the_service_has() -> None:
-    report = _report_of(_Totals(), standalone_twice=True)
+    report = _report_of(Totals(), standalone_twice=True)
     assert report["arms"] == "standalone/standalone"
     assert report["min_ratio"] == pytest.approx(0.8)
     assert report["max_ratio"] == pytest.approx(1.25)
@@ -408,8 +397,8 @@ def test_an_a_a_report_gives_the_ratios_and_leaves_out_what_only_the_service_has
 
 
 def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
-    totals = _Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[6, 2],
-                     admission_ms=[10.0, 20.0, 30.0], bytes_enqueued=[100, 300])
+    totals = Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[6, 2],
+                    admission_ms=[10.0, 20.0, 30.0], bytes_enqueued=[100, 300])
     report = _report_of(totals, standalone_twice=False)
     assert report["arms"] == "service/standalone"
     assert report["hit_rate"] == pytest.approx(0.7)
@@ -427,10 +416,10 @@ def test_a_service_report_carries_its_queue_and_routing_figures() -> None:
 
 
 def test_an_admission_a_b_report_gives_both_services_figures_and_no_standalone_ones() -> None:
-    paced = _Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[8], failed=0,
-                    admission_ms=[10.0], bytes_enqueued=[100])
-    at_once = _Totals(prompt_tokens=1000, cached_tokens=600, shard_jobs=[8], failed=1,
-                      admission_ms=[30.0], bytes_enqueued=[120])
+    paced = Totals(prompt_tokens=1000, cached_tokens=700, shard_jobs=[8], failed=0,
+                   admission_ms=[10.0], bytes_enqueued=[100])
+    at_once = Totals(prompt_tokens=1000, cached_tokens=600, shard_jobs=[8], failed=1,
+                     admission_ms=[30.0], bytes_enqueued=[120])
     report = _report_of(paced, compare_admission=True, all_at_once_totals=at_once)
     assert report["arms"] == "service paced/service all at once"
     assert report["min_ratio"] == pytest.approx(0.8)
@@ -444,8 +433,8 @@ def test_an_admission_a_b_report_gives_both_services_figures_and_no_standalone_o
 
 
 def test_the_plot_of_a_run_names_what_stood_in_each_slot(tmp_path: Path) -> None:
-    def totals() -> _Totals:
-        return _Totals(shard_jobs=[8], admission_ms=[1.0], bytes_enqueued=[1])
+    def totals() -> Totals:
+        return Totals(shard_jobs=[8], admission_ms=[1.0], bytes_enqueued=[1])
 
     report = _report_of(totals(), compare_admission=True, all_at_once_totals=totals())
     with mock.patch("matplotlib.figure.Figure.savefig", autospec=True) as savefig:

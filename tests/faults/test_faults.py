@@ -17,13 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from jobsvc import BrokerUnavailable, Client, InvalidJob, JobStatus, StorageUnavailable
 from jobsvc.child_processes import WorkerStartError, settings_environment
 from jobsvc.compression import compress, pack_tokens
 from jobsvc.keys import queue_name
-from jobsvc.store import Job, utcnow
+from jobsvc.store import NewJob, utcnow
+from jobsvc.store.tables import Document, Job
 from jobsvc.transport import make_celery, publish
 from jobsvc.wire import QueueMessage
 from jobsvc.workers.celery_app import EXIT_ENGINE_DEAD
@@ -107,14 +108,14 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
     first = next(iter(job_ids))
     job_ids[first] = first_id + job_ids[first][len(first_id):]
     message = QueueMessage(0, list(job_ids.values()), uuid.uuid4().hex)
-    harness.store.record_submitted(
-        [{"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
-          "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()],
-        [{"id": job_ids[key], "document_key": key, "question": "?", "sampling": {"max_tokens": 4},
-          "question_tokens_zst": pack_tokens([5]), "shard": 0, "status": "queued",
-          "prompt_tokens": 4, "estimated_prefill": 4, "load": 4,
-          "message_id": message.message_id, "submitted_at": utcnow(),
-          "enqueued_at": utcnow()} for key in documents])
+    with harness.store.engine.begin() as connection:
+        connection.execute(insert(Document), [
+            {"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
+             "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()])
+    harness.store.record_submitted([], [
+        NewJob(job_ids[key], key, "?", (5,), {"max_tokens": 4}, shard=0, prompt_tokens=4,
+               estimated_prefill=4, load=4, message_id=message.message_id)
+        for key in documents])
     publish(make_celery(harness.settings), [message])
     return list(job_ids.values())
 
@@ -338,14 +339,14 @@ def _no_jobs_row(scenario: str) -> None:
 
 _KILLED_PRODUCER = """
 import os, signal, sys
-import jobsvc.client
+import jobsvc.dispatch
 from jobsvc import Client
 
 def die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 # Killed where a crash hurts most: its jobs are recorded, their messages not yet sent.
-jobsvc.client.publish = die
+jobsvc.dispatch.publish = die
 with Client() as client:
     client.submit_many({"document": f"Report {n % 4}: the harbour froze in {n % 4 + 1900}.",
                         "question": f"{sys.argv[1]} {n}", "max_tokens": 6} for n in range(40))

@@ -20,14 +20,14 @@ import pytest
 from openai.types import Batch
 from sqlalchemy import func, select
 
-from jobsvc.batchapi.batchstore import BatchStore
-from jobsvc.batchapi.filestore import FileStore
-from jobsvc.batchapi.tables import BatchRow
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.errors import InvalidJob
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Store
+from jobsvc.store import Store
+from jobsvc.store.batches import BatchStore
+from jobsvc.store.files import FileStore
+from jobsvc.store.tables import BatchRow, Job
 from tests.support.batch_files import (
     CHAT,
     COMPLETIONS,

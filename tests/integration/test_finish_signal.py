@@ -13,7 +13,8 @@ from sqlalchemy import update
 from jobsvc import Client
 from jobsvc.finish_signal import NOTIFIED_CHECK_SECONDS, finished_count
 from jobsvc.settings import Settings
-from jobsvc.store import Job, JobOutcome, Store, utcnow
+from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.store.tables import Job
 from jobsvc.wire import JobStatus
 from tests.support.jobs import claim
 

@@ -23,7 +23,8 @@ from jobsvc.keys import (
 from jobsvc.reconcile import Reconciler, message_ids
 from jobsvc.routing.live import LIVE_SET_SECONDS, LiveShards
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Store
+from jobsvc.store import Store
+from jobsvc.store.tables import Job
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document, question
 

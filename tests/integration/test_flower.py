@@ -27,11 +27,10 @@ import redis
 
 from jobsvc import Client, JobStatus
 from jobsvc.child_processes import LocalWorkers, settings_environment
-from jobsvc.compression import pack_tokens
 from jobsvc.health import Heartbeat, write_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
-from jobsvc.store import Store, utcnow
+from jobsvc.store import NewDocument, NewJob, Store
 from jobsvc.transport import make_celery, publish
 from jobsvc.wire import QueueMessage
 from tests.support.browser import chromium_page
@@ -205,13 +204,10 @@ def _message_with_a_failing_job(settings: Settings, store: Store) -> list[str]:
     message = QueueMessage(0, [uuid.uuid4().hex, uuid.uuid4().hex], uuid.uuid4().hex)
     tokens = {message.job_ids[0]: [7, 8, 9], message.job_ids[1]: [1, 2, 10_000_000]}
     store.record_submitted(
-        [{"key": job_id, "text_zst": b"", "tokens_zst": pack_tokens(ids), "tokens": 3,
-          "created_at": utcnow()} for job_id, ids in tokens.items()],
-        [{"id": job_id, "document_key": job_id, "question": "?", "sampling": {"max_tokens": 2},
-          "question_tokens_zst": pack_tokens([5]), "shard": 0, "status": "queued",
-          "prompt_tokens": 4, "estimated_prefill": 4, "load": 4,
-          "message_id": message.message_id, "submitted_at": utcnow(),
-          "enqueued_at": utcnow()} for job_id in tokens])
+        [NewDocument(job_id, "", ids) for job_id, ids in tokens.items()],
+        [NewJob(job_id, job_id, "?", (5,), {"max_tokens": 2}, shard=0, prompt_tokens=4,
+                estimated_prefill=4, load=4, message_id=message.message_id)
+         for job_id in tokens])
     publish(make_celery(settings), [message])
     return message.job_ids
 

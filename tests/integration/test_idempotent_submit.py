@@ -10,9 +10,10 @@ import redis
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob
-from jobsvc.routing.state import ShardState
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Store
+from jobsvc.store import Store
+from jobsvc.store.tables import Job
 
 pytestmark = pytest.mark.integration
 
@@ -65,9 +66,9 @@ def test_two_submits_racing_with_one_key_make_one_job_and_leave_no_load_behind(
     assert len(ids) == 2 and ids[0] == ids[1]
     assert jobs_with_key(store, key) == 1
     # The shards carry the one job's charge: the loser returned its own.
-    state = ShardState(redis.Redis.from_url(routing_settings.redis_url))
+    ledger = LoadLedger(redis.Redis.from_url(routing_settings.redis_url))
     with store.engine.connect() as connection:
         shard, load = connection.execute(select(Job.shard, Job.load).where(
             Job.id == ids[0])).one()
-    assert {shard: charged for shard, charged in state.loads().items() if charged} == {
+    assert {shard: charged for shard, charged in ledger.loads().items() if charged} == {
         shard: load}

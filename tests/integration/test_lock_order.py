@@ -13,7 +13,8 @@ from sqlalchemy import func, select
 
 from jobsvc import Client
 from jobsvc.settings import Settings
-from jobsvc.store import JobOutcome, Result, Store, utcnow
+from jobsvc.store import JobOutcome, Store, utcnow
+from jobsvc.store.tables import Result
 from jobsvc.wire import FINISHED_STATUSES, JobStatus
 from tests.support.jobs import record_queued_job
 

@@ -16,9 +16,10 @@ from jobsvc.child_processes import LocalWorkers
 from jobsvc.compression import decompress, decompress_text, is_zstd_frame
 from jobsvc.keys import LOAD_KEY, queue_name
 from jobsvc.routing.job_cost import decode_load
-from jobsvc.routing.state import loads_of
+from jobsvc.routing.ledger import loads_of
 from jobsvc.settings import Settings
-from jobsvc.store import Document, Job, Result, Store, utcnow
+from jobsvc.store import Store, utcnow
+from jobsvc.store.tables import Document, Job, Result
 from jobsvc.workloads import document, document_questions, question
 from tests.support.waiting import until
 

@@ -14,8 +14,9 @@ from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
 from jobsvc.keys import ALL_QUEUES_PATTERN
-from jobsvc.store import Job, Store
-from jobsvc.wire import SAMPLING_KEYS, JobLimits, validate_job
+from jobsvc.store import Store
+from jobsvc.store.tables import Job
+from jobsvc.validation import SAMPLING_KEYS, JobLimits, validate_job
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,7 @@ sampling = st.dictionaries(
 def test_validation_accepts_or_refuses_with_invalid_job_only(
         document: Any, question: Any, options: dict[str, Any]) -> None:
     try:
-        job = validate_job(document, question, options, LIMITS)
+        job = validate_job({**options, "document": document, "question": question}, LIMITS)
     except InvalidJob:
         return
     from vllm import SamplingParams

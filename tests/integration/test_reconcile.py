@@ -16,7 +16,8 @@ from jobsvc import Client
 from jobsvc.keys import LOAD_KEY, UNACKED_KEY, queue_name
 from jobsvc.reconcile import Reconciler, message_ids
 from jobsvc.settings import Settings
-from jobsvc.store import Job, Store, utcnow
+from jobsvc.store import Store, utcnow
+from jobsvc.store.tables import Job
 from jobsvc.transport import make_celery
 from jobsvc.wire import JobStatus, QueueMessage
 from tests.support.environment import TEST_DATABASE, recreate_database

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from jobsvc.routing.feedback import CacheFeedback
-from jobsvc.routing.state import ShardState
+from jobsvc.routing.ledger import LoadLedger
 from jobsvc.settings import Settings
 from jobsvc.store import JobOutcome, Store, utcnow
 from jobsvc.wire import JobStatus
@@ -30,7 +30,7 @@ _GATHER_SECONDS = 60.0
 @contextmanager
 def _running_recorder(store: Store, settings: Settings) -> Iterator[ResultRecorder]:
     client = redis.Redis.from_url(settings.redis_url)
-    recorder = ResultRecorder(store, ShardState(client), CacheFeedback(client),
+    recorder = ResultRecorder(store, LoadLedger(client), CacheFeedback(client),
                               block_size=16, gather_seconds=_GATHER_SECONDS)
     recorder.start()
     try:

@@ -15,10 +15,16 @@ import zstandard
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
+from jobsvc.batchapi.chat_template import ChatTemplate
+from jobsvc.batchapi.ingest import Ingestor
+from jobsvc.batchapi.line_requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from jobsvc.batchapi.lines import RequestLine
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.compression import KOMBU_CODEC
 from jobsvc.keys import AFFINITY_KEY, ALL_QUEUES_PATTERN, dead_letter_key, queue_name
-from jobsvc.store import Job, Store
+from jobsvc.prompts import PromptBuilder
+from jobsvc.store import Store
+from jobsvc.store.tables import Job
 from jobsvc.transport import RUN_MESSAGE_TASK
 from jobsvc.workloads import document, question
 
@@ -77,6 +83,36 @@ def test_bad_input_raises_invalid_job_naming_the_field_and_leaves_no_trace(
         assert str(raised.value).startswith("job 1:")
         assert _trace(store, routing_settings.redis_url) == before
     store.dispose()
+
+
+@pytest.mark.parametrize("endpoint", [CHAT_ENDPOINT, COMPLETIONS_ENDPOINT])
+def test_min_tokens_over_max_tokens_is_refused_alike_by_submit_and_by_a_batch_line(
+        routing_settings, endpoint: str) -> None:
+    store = Store(routing_settings.resolved_database_url)
+    body: dict[str, Any] = {"max_tokens": 8, "min_tokens": 9}
+    if endpoint == CHAT_ENDPOINT:
+        body["messages"] = [{"role": "system", "content": GOOD_DOCUMENT},
+                            {"role": "user", "content": GOOD_QUESTION}]
+    else:
+        body["prompt"] = f"{GOOD_DOCUMENT}\n\n{GOOD_QUESTION}"
+    with Client(settings=routing_settings) as client:
+        before = _trace(store, routing_settings.redis_url)
+        with pytest.raises(InvalidJob) as refused:
+            client.submit_many([{"document": GOOD_DOCUMENT, "question": GOOD_QUESTION,
+                                 "max_tokens": 8, "min_tokens": 9}])
+        ingestor = Ingestor(client, PromptBuilder(routing_settings.model),
+                            ChatTemplate(routing_settings.model), served_model="jobsvc",
+                            max_stop_chars=100)
+        (line,) = ingestor.ingest(f"batch_{uuid.uuid4().hex}", endpoint,
+                                  [RequestLine(1, "min-over-max", body)])
+        assert _trace(store, routing_settings.redis_url) == before
+    store.dispose()
+    message = "min_tokens must not exceed max_tokens"
+    assert (str(refused.value), refused.value.field) == (f"job 0: {message}", "min_tokens")
+    assert line.job_id is None
+    assert line.error == {"status_code": 400, "error": {
+        "message": message, "type": "invalid_request_error", "param": "min_tokens",
+        "code": "invalid_value"}}
 
 
 def test_submit_refuses_a_non_mapping_job(routing_settings) -> None:

@@ -13,10 +13,10 @@ from jobsvc import Client
 from jobsvc.keys import CAPACITY_KEY, LOAD_KEY, cache_key, queue_name
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.job_cost import Route, RoutingJob
+from jobsvc.routing.ledger import LoadLedger, loads_of
 from jobsvc.routing.policies import POLICIES
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import ROUTERS, Router, make_router, reset_routing_state
-from jobsvc.routing.state import ShardState, loads_of
 from jobsvc.settings import Settings
 from jobsvc.workloads import document, question
 
@@ -83,7 +83,7 @@ def test_every_policy_has_a_redis_backed_router() -> None:
 def _router(settings: Settings, policy: str = "cache_aware", **changes: object) -> Router:
     routed = replace(settings, routing=policy, block_size=4, **changes)
     broker = redis.Redis.from_url(routed.redis_url)
-    return make_router(broker, ShardState(broker), routed)
+    return make_router(broker, LoadLedger(broker), routed)
 
 
 def _doc(first: int, blocks: int = 4, body: int | None = None) -> DocumentKeys:

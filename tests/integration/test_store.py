@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, select, text, update
+from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from jobsvc.compression import compress, pack_tokens
-from jobsvc.store import BatchStat, Job, JobOutcome, Store, utcnow
+from jobsvc.store import JobOutcome, MessageStats, NewDocument, Store, utcnow
+from jobsvc.store.tables import BatchStat, Document, Job
 from jobsvc.wire import JobStatus, QueueMessage
-from tests.support.jobs import TEST_MESSAGE, claim, queued_job_row, record_queued_job
+from tests.support.jobs import TEST_MESSAGE, claim, new_job, record_queued_job
 
 pytestmark = pytest.mark.integration
 
@@ -163,11 +165,11 @@ def test_a_result_records_when_it_was_written_beside_when_the_engine_finished(
     assert record.recorded_at is not None and before <= record.recorded_at <= utcnow()
 
 
-def _batch_stats(worker: str, jobs: int) -> dict[str, Any]:
+def _message_stats(worker: str, jobs: int) -> MessageStats:
     now = utcnow()
-    return {"worker": worker, "shard": 0, "jobs": jobs, "prompt_tokens": 10,
-            "completion_tokens": 2, "cached_tokens": 0, "started_at": now, "finished_at": now,
-            "wall_seconds": 1.0, "requests_per_second": 1.0, "tokens_per_second": 2.0}
+    return MessageStats(worker=worker, shard=0, jobs=jobs, prompt_tokens=10,
+                        completion_tokens=2, cached_tokens=0, started_at=now, finished_at=now,
+                        wall_seconds=1.0, requests_per_second=1.0, tokens_per_second=2.0)
 
 
 def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
@@ -175,12 +177,12 @@ def test_outcomes_and_their_batch_statistics_commit_together_or_not_at_all(
     job_id = queued_job()
     claim(store, [job_id])
     outcome = JobOutcome(job_id, "answer", None, 2, 0, utcnow())
-    unwritable = {**_batch_stats("w", 1), "jobs": None}
+    unwritable = replace(_message_stats("w", 1), jobs=None)
     with pytest.raises(IntegrityError):
         store.record_outcomes([outcome], [unwritable])
     assert store.get_many([job_id])[job_id].status is JobStatus.QUEUED
     worker = f"w-{uuid.uuid4().hex}"
-    store.record_outcomes([outcome], [_batch_stats(worker, 1)])
+    store.record_outcomes([outcome], [_message_stats(worker, 1)])
     assert store.get_many([job_id])[job_id].status is JobStatus.SUCCEEDED
     with store.engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(BatchStat)
@@ -193,12 +195,15 @@ def test_a_claimed_batch_runs_on_the_recorded_tokens_or_else_the_text_or_else_fa
               "nothing": b"garbage"}
     documents = {name: uuid.uuid4().hex for name in stored}
     jobs = {name: uuid.uuid4().hex for name in [*stored, "tokens-again"]}
-    store.record_submitted(
-        [{"key": documents[name], "tokens_zst": tokens_zst, "tokens": 3, "created_at": utcnow(),
-          "text_zst": b"garbage" if name == "nothing" else compress(f"text of {name}".encode())}
-         for name, tokens_zst in stored.items()],
-        [queued_job_row(job_id, documents[name.removesuffix("-again")])
-         for name, job_id in jobs.items()])
+    # Documents as no producer stores them: without tokens, or with frames that do not read.
+    with store.engine.begin() as connection:
+        connection.execute(insert(Document), [
+            {"key": documents[name], "tokens_zst": tokens_zst, "tokens": 3,
+             "created_at": utcnow(),
+             "text_zst": b"garbage" if name == "nothing" else compress(f"text of {name}".encode())}
+            for name, tokens_zst in stored.items()])
+    store.record_submitted([], [new_job(job_id, documents[name.removesuffix("-again")])
+                                for name, job_id in jobs.items()])
     assert claim(store, [*jobs.values(), uuid.uuid4().hex]) == {
         jobs["tokens"]: (5, 6, 7), jobs["tokens-again"]: (5, 6, 7),
         jobs["none"]: "text of none", jobs["unreadable"]: "text of unreadable"}
@@ -211,10 +216,8 @@ def test_a_batch_reads_each_of_its_documents_once_and_no_text_where_tokens_serve
         store: Store) -> None:
     documents = {uuid.uuid4().hex: (index, 1, 2) for index in range(2)}
     jobs = {uuid.uuid4().hex: key for key in documents for _ in range(3)}
-    store.record_submitted(
-        [{"key": key, "text_zst": compress(b"text"), "tokens_zst": pack_tokens(tokens),
-          "tokens": 3, "created_at": utcnow()} for key, tokens in documents.items()],
-        [queued_job_row(job_id, key) for job_id, key in jobs.items()])
+    store.record_submitted([NewDocument(key, "text", tokens) for key, tokens in documents.items()],
+                           [new_job(job_id, key) for job_id, key in jobs.items()])
     document_rows: list[int] = []
 
     def count_document_rows(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
@@ -274,33 +277,38 @@ def test_a_submit_records_its_jobs_alike_on_postgresql_and_on_the_embedded_sqlit
         store: Store, embedded: Store) -> None:
     # PostgreSQL takes a submit's jobs by COPY, SQLite by INSERT: text with the characters
     # COPY escapes, nested sampling settings and the timestamp must read back unchanged.
-    submitted = utcnow()
     columns = ("id", "document_key", "question", "sampling", "shard", "status",
-               "prompt_tokens", "estimated_prefill", "load", "submitted_at", "message_id")
+               "prompt_tokens", "estimated_prefill", "load", "message_id", "submitted_at",
+               "enqueued_at")
     for repository in (store, embedded):
         key = uuid.uuid4().hex
-        jobs = [{"id": uuid.uuid4().hex, "document_key": key, "question": question,
-                 "sampling": sampling, "shard": shard, "status": "queued",
-                 "prompt_tokens": 10 + shard, "estimated_prefill": 5, "load": 7,
-                 "submitted_at": submitted, "message_id": message}
+        jobs = [new_job(uuid.uuid4().hex, key, question=question, sampling=sampling,
+                        shard=shard, prompt_tokens=10 + shard, estimated_prefill=5, load=7,
+                        message_id=message)
                 for question, sampling, shard, message in [
-                    ("tab\there, newline\nthere, back\\slash and \\N", {"stop": ["\n", "\\."]}, 0,
-                     "e1"),
+                    ("tab\there, newline\nthere, back\\slash and \\N", {"stop": ["\n", "\\."]},
+                     0, "e1"),
                     ("Ünïcødé — ✓", {"max_tokens": 4, "temperature": 0.5, "ignore_eos": True}, 1,
-                     None)]]
-        repository.record_submitted(
-            [{"key": key, "text_zst": b"", "tokens": 1, "created_at": submitted}], jobs)
+                     "e2")]]
+        before = utcnow()
+        repository.record_submitted([NewDocument(key, "", (1,))], jobs)
+        after = utcnow()
         with repository.engine.connect() as connection:
             rows = connection.execute(select(*(Job.__table__.c[c] for c in columns))
                                       .where(Job.document_key == key).order_by(Job.shard)).all()
         read = [dict(zip(columns, row, strict=True)) for row in rows]
         for row in read:
             # SQLite hands back the UTC moment without its zone; PostgreSQL, with one.
-            moment = row["submitted_at"]
-            row["submitted_at"] = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-        assert read == jobs
-        assert repository.statuses([job["id"] for job in jobs]) == {
-            job["id"]: JobStatus.QUEUED for job in jobs}
+            moments = {row.pop(name) for name in ("submitted_at", "enqueued_at")}
+            (moment,) = {at if at.tzinfo else at.replace(tzinfo=UTC) for at in moments}
+            assert before <= moment <= after
+        assert read == [
+            {"id": job.job_id, "document_key": key, "question": job.question,
+             "sampling": job.sampling, "shard": job.shard, "status": "queued",
+             "prompt_tokens": job.prompt_tokens, "estimated_prefill": 5, "load": 7,
+             "message_id": job.message_id} for job in jobs]
+        assert repository.statuses([job.job_id for job in jobs]) == {
+            job.job_id: JobStatus.QUEUED for job in jobs}
 
 
 def test_only_a_jobs_own_message_on_its_own_shard_claims_it(store: Store) -> None:

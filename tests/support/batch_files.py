@@ -14,7 +14,8 @@ import openai
 from openai.types import Batch
 from sqlalchemy import func, select
 
-from jobsvc.store import Job, Store
+from jobsvc.store import Store
+from jobsvc.store.tables import Job
 from jobsvc.workloads import document, question
 
 CHAT = "/v1/chat/completions"

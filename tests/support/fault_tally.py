@@ -19,7 +19,8 @@ from jobsvc import Client, JobStatus
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.private_redis import PrivateRedis
 from jobsvc.settings import Settings
-from jobsvc.store import Result, Store
+from jobsvc.store import Store
+from jobsvc.store.tables import Result
 from tests.support.environment import FAULT_TABLE, TEST_WORKER_NICE
 from tests.support.servers import PrivatePostgres, private_servers
 

@@ -4,29 +4,39 @@ rules that need no producer."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import fields
 from typing import Any
 
-from jobsvc.store import Store, utcnow
+from sqlalchemy import update
+
+from jobsvc.store import NewDocument, NewJob, Store
+from jobsvc.store.tables import Job
 
 # The message that the jobs `record_queued_job` records belong to.
 TEST_MESSAGE = "test-message"
+_SUBMITTED = {field.name for field in fields(NewJob)}
 
 
-def queued_job_row(job_id: str, document_key: str, **fields: Any) -> dict[str, Any]:
-    """A queued job's row as a submit records it, on shard 0, owned by TEST_MESSAGE."""
-    return {"id": job_id, "document_key": document_key, "question": "q", "sampling": {},
-            "shard": 0, "status": "queued", "prompt_tokens": 2, "estimated_prefill": 2,
-            "load": 2, "message_id": TEST_MESSAGE, "submitted_at": utcnow(),
-            "enqueued_at": utcnow(), **fields}
+def new_job(job_id: str, document_key: str, **given: Any) -> NewJob:
+    """A job as a submit hands it to the store, on shard 0, owned by TEST_MESSAGE."""
+    return NewJob(**{"job_id": job_id, "document_key": document_key, "question": "q",
+                     "question_tokens": (2,), "sampling": {}, "shard": 0, "prompt_tokens": 2,
+                     "estimated_prefill": 2, "load": 2, "message_id": TEST_MESSAGE, **given})
 
 
-def record_queued_job(store: Store, **fields: Any) -> str:
-    """Records a queued job on a document of its own and returns its ID."""
+def record_queued_job(store: Store, **given: Any) -> str:
+    """Records a queued job on a document of its own and returns its ID. What a submit does
+    not set (a status, timestamps, stored frames: the `jobs` columns named) is written to its
+    row afterwards, as no producer would."""
     job_id = uuid.uuid4().hex
     document_key = uuid.uuid4().hex
     store.record_submitted(
-        [{"key": document_key, "text_zst": b"", "tokens": 1, "created_at": utcnow()}],
-        [queued_job_row(job_id, document_key, **fields)])
+        [NewDocument(document_key, "d", (1,))],
+        [new_job(job_id, document_key,
+                 **{name: value for name, value in given.items() if name in _SUBMITTED})])
+    if columns := {name: value for name, value in given.items() if name not in _SUBMITTED}:
+        with store.engine.begin() as connection:
+            connection.execute(update(Job).where(Job.id == job_id).values(**columns))
     return job_id
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from jobsvc.batchapi.batchstore import OutputRow
 from jobsvc.batchapi.chat_template import ChatTemplate, split_prompt
 from jobsvc.batchapi.driver import file_line
 from jobsvc.batchapi.line_requests import (
@@ -34,6 +33,7 @@ from jobsvc.batchapi.output_lines import (
     vllm_line,
 )
 from jobsvc.settings import TINY_MODEL
+from jobsvc.store.batches import OutputRow
 
 pytestmark = pytest.mark.unit
 

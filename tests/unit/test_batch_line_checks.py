@@ -17,8 +17,6 @@ from jobsvc.batchapi.lines import (
     parse_line,
     split_lines,
 )
-from jobsvc.errors import InvalidJob
-from jobsvc.wire import JobLimits, validate_job
 
 pytestmark = pytest.mark.unit
 
@@ -94,13 +92,3 @@ def test_a_file_with_poison_lines_passes_validation_and_a_bad_custom_id_counts_o
         check.add(number, raw)
     check.finish()
     assert not check.failed and check.requests == 3
-
-
-LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=10,
-                   max_job_bytes=1 << 20)
-
-
-@pytest.mark.parametrize("stop", [["\ud800"], ["ok", "a\x00"]])
-def test_submit_refuses_a_stop_string_the_engine_cannot_take(stop: list[str]) -> None:
-    with pytest.raises(InvalidJob, match=r"stop has a string with a (lone surrogate|NUL)"):
-        validate_job("doc", "q", {"stop": stop}, LIMITS)

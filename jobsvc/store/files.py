@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from jobsvc.batchapi.listing import page_rows
-from jobsvc.batchapi.tables import FileChunk, StoredFile
-from jobsvc.store import utcnow
+from jobsvc.store.paging import page_rows
+from jobsvc.store.records import utcnow
+from jobsvc.store.tables import FileChunk, StoredFile
 
 CHUNK_BYTES = 1 << 20
 

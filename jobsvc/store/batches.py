@@ -17,14 +17,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import case, func, insert, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from jobsvc import compression
-from jobsvc.batchapi.ingest import LineOutcome
-from jobsvc.batchapi.listing import page_rows
-from jobsvc.batchapi.tables import BatchLine, BatchRow
-from jobsvc.store import Job, Result, utcnow
+from jobsvc.store.dialect import dialect_of
+from jobsvc.store.paging import page_rows
+from jobsvc.store.records import utcnow
+from jobsvc.store.tables import BatchLine, BatchRow, Job, Result
 from jobsvc.wire import ACTIVE_STATUSES, JobStatus
 
 # The one completion window a batch may ask for (OpenAI's).
@@ -32,6 +31,9 @@ COMPLETION_WINDOW = "24h"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 # A cancel takes a batch in these states to `cancelling`; later ones are past cancelling.
 CANCELLABLE = ("validating", "in_progress")
+# The stamp of each final state.
+_FINAL_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
+                "expired": "expired_at", "failed": "failed_at"}
 # Lines read per query for the output files.
 _OUTPUT_PAGE = 2000
 
@@ -86,6 +88,16 @@ def _record(row: Any) -> BatchRecord:
 
 
 @dataclass(frozen=True)
+class LineOutcome:
+    """A line's row in batch_lines: its job, or the 400 that kept it from having one."""
+
+    line: int
+    custom_id: str
+    job_id: str | None
+    error: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Tally:
     """Where a batch's lines stand, and the tokens of those that succeeded."""
 
@@ -133,8 +145,7 @@ class BatchStore:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._insert = (postgresql.insert if engine.dialect.name == "postgresql"
-                        else sqlite.insert)
+        self._sql = dialect_of(engine)
 
     def create(self, *, endpoint: str, input_file_id: str, completion_window: str,
                metadata: dict[str, str] | None, window_seconds: int) -> BatchRecord:
@@ -207,7 +218,57 @@ class BatchStore:
             connection.execute(update(BatchRow).where(BatchRow.driver == driver)
                                .values(driver=None, lease_until=None))
 
-    def advance(self, batch_id: str, holder: str, lease_seconds: int, *,
+    def renew(self, batch_id: str, holder: str, lease_seconds: int) -> None:
+        """Renew the lease `holder` has of the batch; LeaseLost if it no longer holds it."""
+        self._change(batch_id, holder, lease_seconds)
+
+    def start(self, batch_id: str, holder: str, lease_seconds: int, total: int) -> None:
+        """A validated batch of `total` requests goes `in_progress`."""
+        self._change(batch_id, holder, lease_seconds, status_was="validating",
+                     status="in_progress", in_progress_at=utcnow(), total=total)
+
+    def refuse(self, batch_id: str, holder: str, lease_seconds: int,
+               errors: list[dict[str, Any]]) -> None:
+        """A batch whose file failed validation ends `failed`, with the file's errors."""
+        self._change(batch_id, holder, lease_seconds, status_was="validating",
+                     status="failed", failed_at=utcnow(), errors=errors, driver=None)
+
+    def follow(self, batch_id: str, holder: str, lease_seconds: int, tally: Tally, *,
+               finalize: bool) -> None:
+        """Bring a running batch's request counts and usage up to `tally`; with `finalize`
+        (every line has ended), the batch goes `finalizing` to be completed."""
+        ending = ({"status": "finalizing", "ending": "completed", "finalizing_at": utcnow()}
+                  if finalize else {})
+        self._change(batch_id, holder, lease_seconds, status_was="in_progress",
+                     completed=tally.succeeded, failed=tally.failed, usage=tally.usage(),
+                     **ending)
+
+    def expire(self, batch_id: str, holder: str, lease_seconds: int) -> None:
+        """A running batch whose window has passed goes `finalizing`, to be expired."""
+        self._change(batch_id, holder, lease_seconds, status_was="in_progress",
+                     status="finalizing", ending="expired", finalizing_at=utcnow())
+
+    def end(self, batch_id: str, holder: str, lease_seconds: int, ending: str, *,
+            tally: Tally | None = None, failed: int = 0,
+            errors: list[dict[str, Any]] | None = None, output_file_id: str | None = None,
+            error_file_id: str | None = None, connection: Connection | None = None) -> None:
+        """Put a batch in its final state `ending` (completed, cancelled, expired or failed)
+        and give up its lease; with `tally`, its final counts and usage (`failed` lines that
+        did not succeed). Inside `connection`'s transaction if one is given, so the output
+        files commit with the state."""
+        values: dict[str, Any] = {"status": ending, "driver": None,
+                                  _FINAL_STAMP[ending]: utcnow()}
+        if tally is not None:
+            values.update(completed=tally.succeeded, failed=failed, usage=tally.usage())
+        if errors is not None:
+            values["errors"] = errors
+        if output_file_id is not None:
+            values["output_file_id"] = output_file_id
+        if error_file_id is not None:
+            values["error_file_id"] = error_file_id
+        self._change(batch_id, holder, lease_seconds, connection=connection, **values)
+
+    def _change(self, batch_id: str, holder: str, lease_seconds: int, *,
                 status_was: str | None = None, connection: Connection | None = None,
                 **values: Any) -> None:
         """Change a batch that `holder` drives, renewing its lease; LeaseLost if it no longer
@@ -215,7 +276,7 @@ class BatchStore:
         may have come in meanwhile): BatchChanged otherwise."""
         if connection is None:
             with self._engine.begin() as own:
-                self.advance(batch_id, holder, lease_seconds, status_was=status_was,
+                self._change(batch_id, holder, lease_seconds, status_was=status_was,
                              connection=own, **values)
             return
         held = connection.execute(
@@ -234,10 +295,10 @@ class BatchStore:
         """Record a slice's lines and the progress they make, together; a line recorded
         before keeps its first row."""
         with self._engine.begin() as connection:
-            self.advance(batch_id, driver, lease_seconds, connection=connection,
+            self._change(batch_id, driver, lease_seconds, connection=connection,
                          ingested_line=last_line)
             if outcomes:
-                connection.execute(self._insert(BatchLine).on_conflict_do_nothing(), [
+                connection.execute(self._sql.insert_ignoring_duplicates(BatchLine), [
                     {"batch_id": batch_id, "line": outcome.line,
                      "custom_id": outcome.custom_id, "job_id": outcome.job_id,
                      "error": outcome.error} for outcome in outcomes])

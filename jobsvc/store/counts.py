@@ -1,0 +1,71 @@
+"""Counts and totals for operators and summaries: load and active jobs by shard, batches by
+status, and the job and token totals of `jobsvc stats`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, inspect, select
+
+from jobsvc.store.database import Database
+from jobsvc.store.records import load_by_shard
+from jobsvc.store.tables import BatchRow, Job, Result
+from jobsvc.wire import ACTIVE_STATUSES
+
+
+class Counting(Database):
+    """The store's part that counts, for operators."""
+
+    def __init__(self, database_url: str) -> None:
+        super().__init__(database_url)
+        # Whether the batches table was there when last looked for: once it is, it stays.
+        self._has_batches = False
+
+    def active_load(self) -> dict[int, int]:
+        """What every unfinished job charged its shard, summed by shard."""
+        query = (select(Job.shard, func.sum(Job.load)).where(Job.status.in_(ACTIVE_STATUSES))
+                 .group_by(Job.shard))
+        with self._reads.connect() as connection:
+            return load_by_shard(connection.execute(query))
+
+    def active_counts(self) -> dict[int, dict[str, int]]:
+        """Queued and running jobs by shard and status, for operators: one GROUP BY over the
+        active entries of the status index, however many finished jobs the table holds."""
+        query = (select(Job.shard, Job.status, func.count()).where(Job.status.in_(ACTIVE_STATUSES))
+                 .group_by(Job.shard, Job.status))
+        counts: dict[int, dict[str, int]] = {}
+        with self._reads.connect() as connection:
+            for shard, status, count in connection.execute(query):
+                counts.setdefault(shard, {})[status] = int(count)
+        return counts
+
+    def batch_counts(self) -> dict[str, int] | None:
+        """Batches of the batch API by status; None where the schema has no such table yet
+        (an embedded demo file made before the batch API)."""
+        if not self._has_batches:
+            if not inspect(self.engine).has_table(BatchRow.__tablename__):
+                return None
+            self._has_batches = True
+        query = select(BatchRow.status, func.count()).group_by(BatchRow.status)
+        with self._reads.connect() as connection:
+            return {str(status): int(count) for status, count in connection.execute(query)}
+
+    def totals(self) -> dict[str, Any]:
+        """Job counts by status and token/cache totals, for summaries and `jobsvc stats`."""
+        by_status = select(Job.status, func.count()).group_by(Job.status)
+        # Token totals are of succeeded jobs (those with a result); the time span covers
+        # every job, whatever its status.
+        tokens = select(func.coalesce(func.sum(Job.prompt_tokens), 0),
+                        func.coalesce(func.sum(Result.completion_tokens), 0),
+                        func.coalesce(func.sum(Result.cached_tokens), 0)
+                        ).join(Result, Result.job_id == Job.id)
+        span = select(func.min(Job.submitted_at), func.max(Job.finished_at))
+        per_shard = select(Job.shard, func.count()).group_by(Job.shard).order_by(Job.shard)
+        with self.engine.connect() as connection:
+            statuses = dict(connection.execute(by_status).all())
+            prompt, completion, cached = connection.execute(tokens).one()
+            first, last = connection.execute(span).one()
+            shards = dict(connection.execute(per_shard).all())
+        return {"statuses": statuses, "prompt_tokens": int(prompt),
+                "completion_tokens": int(completion), "cached_tokens": int(cached),
+                "first_submitted": first, "last_finished": last, "shard_jobs": shards}

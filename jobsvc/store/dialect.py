@@ -1,0 +1,283 @@
+"""Where PostgreSQL and the embedded SQLite differ, in one place: how an engine is made, how
+lists of IDs are bound, how rows are inserted (COPY or INSERT), how duplicates are skipped,
+how rows are locked, and the PostgreSQL-only statements that record a gathering of outcomes
+from arrays. The store's operations are written once, above a `Dialect`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    String,
+    any_,
+    bindparam,
+    create_engine,
+    event,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.sql.elements import ColumnElement
+
+from jobsvc import compression
+from jobsvc.store.conditions import FINISHED, unfinished
+from jobsvc.store.records import JobOutcome, load_by_shard, utcnow
+from jobsvc.store.tables import Job, Result
+from jobsvc.wire import JobStatus
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+# psycopg prepares a statement sent five times on a connection, and PostgreSQL may then keep
+# one generic plan for it, made for the tables as they were. A worker's connections live as
+# long as it does: outcome writes planned while the jobs table was nearly empty would go on
+# scanning all of it as it grows. Planning at each execution costs little beside that, and
+# keeps every plan fit for the table as it is.
+_POSTGRESQL_OPTIONS = "-c plan_cache_mode=force_custom_plan"
+
+
+def make_engine(database_url: str) -> Engine:
+    """An engine for `database_url`: psycopg 3 for PostgreSQL with a plan per execution, WAL and
+    foreign keys on SQLite."""
+    if database_url.startswith("postgresql://"):
+        database_url = "postgresql+psycopg://" + database_url.removeprefix("postgresql://")
+    url = make_url(database_url)
+    if url.get_backend_name() == "postgresql":
+        given = url.query.get("options", ())  # kept: the URL may set options of its own
+        url = url.update_query_dict({"options": " ".join(
+            [*([given] if isinstance(given, str) else given), _POSTGRESQL_OPTIONS])})
+    engine = create_engine(url, pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _on_sqlite_connect)
+    return engine
+
+
+def dialect_of(engine: Engine) -> Dialect:
+    """The dialect the store's statements take for `engine`'s database."""
+    return PostgreSQL() if engine.dialect.name == "postgresql" else SQLite()
+
+
+class Dialect:
+    """What the store's operations ask of a database that the two databases do differently."""
+
+    def insert_ignoring_duplicates(self, table: Any) -> Any:
+        """An INSERT into `table` that skips rows whose key is already there."""
+        raise NotImplementedError
+
+    def among(self, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
+        """`column IN values`."""
+        raise NotImplementedError
+
+    def among_listed(self, column: Any, name: str) -> ColumnElement[bool]:
+        """`among` for a statement built once: the list is bound as parameter `name`."""
+        raise NotImplementedError
+
+    def lock_in_order(self, connection: Connection, job_ids: Sequence[str]) -> None:
+        """Lock these unfinished jobs' rows in ID order, first thing in a transaction that
+        updates several: every such transaction then waits for the others in one order, and
+        none can hold a row another holds while it waits for one that other holds (a
+        deadlock, which fails one of them)."""
+        raise NotImplementedError
+
+    def insert_jobs(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert job rows that carry no idempotency key."""
+        raise NotImplementedError
+
+    def insert_keyed(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> set[str]:
+        """Insert job rows that carry idempotency keys, skipping keys already held; returns
+        the IDs inserted."""
+        raise NotImplementedError
+
+    def mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
+        """Queued jobs become running from when they were admitted: ended ones stay as they
+        are."""
+        raise NotImplementedError
+
+    def record_outcomes(self, connection: Connection, outcomes: Sequence[JobOutcome]
+                        ) -> dict[int, int]:
+        """Jobs still unfinished take their outcomes, the succeeded ones their results (a
+        job's first ending counts); returns the load of the jobs ended, by shard."""
+        raise NotImplementedError
+
+
+# A gathering's outcomes in one statement on PostgreSQL, from arrays: the jobs still active
+# take theirs, those that succeeded get their result rows, and the loads of the jobs it ended
+# come back by shard (a job's load returns once, with the statement that ends it). Row by row
+# (an UPDATE and an INSERT per job after a locking SELECT) costs both the recorder and the
+# database far more CPU, taken from the engine's cores.
+_RECORD_OUTCOMES_POSTGRESQL = text("""
+WITH finished AS (
+    UPDATE jobs SET status = o.status, error = o.error, finished_at = o.finished_at
+    FROM unnest(CAST(:ids AS varchar[]), CAST(:statuses AS varchar[]),
+                CAST(:errors AS text[]), CAST(:finished_at AS timestamptz[]))
+         AS o (id, status, error, finished_at)
+    WHERE jobs.id = o.id AND jobs.status <> ALL(CAST(:finished AS varchar[]))
+    RETURNING jobs.id, jobs.shard, jobs.load),
+answered AS (
+    INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
+                         created_at)
+    SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, r.finish_reason,
+           :recorded_at
+    FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
+                CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]),
+                CAST(:finish_reasons AS varchar[]))
+         AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason)
+    JOIN finished ON finished.id = r.job_id
+    ON CONFLICT DO NOTHING)
+SELECT shard, sum(load) FROM finished GROUP BY shard""")
+
+
+_MARK_STARTED_POSTGRESQL = text("""
+UPDATE jobs SET status = 'running', started_at = s.started_at
+FROM unnest(CAST(:ids AS varchar[]), CAST(:started_at AS timestamptz[])) AS s (id, started_at)
+WHERE jobs.id = s.id AND jobs.status <> ALL(CAST(:not_queued AS varchar[]))""")
+
+
+def _copy_rows(connection: Connection, table: Any, rows: Sequence[dict[str, Any]],
+               into: str | None = None) -> None:
+    """Insert rows with PostgreSQL's COPY, in the connection's transaction (into the table
+    `into` of the same columns, if given). One INSERT per row costs a submit far more time
+    and producer CPU, all of it before the first job can run."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    as_json = [isinstance(table.c[column].type, JSON) for column in columns]
+    cursor = connection.connection.driver_connection.cursor()
+    target = into or table.name
+    with cursor, cursor.copy(f"COPY {target} ({', '.join(columns)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row([json.dumps(row[column]) if dumped else row[column]
+                            for column, dumped in zip(columns, as_json, strict=True)])
+
+
+class PostgreSQL(Dialect):
+    """The record of every job: arrays, COPY and row locks."""
+
+    def insert_ignoring_duplicates(self, table: Any) -> Any:
+        return postgresql.insert(table).on_conflict_do_nothing()
+
+    def among(self, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
+        # One array parameter: an IN list binds each value on its own, which adds to a status
+        # poll's client CPU with every job it names.
+        return column == any_(literal(list(values), postgresql.ARRAY(String)))
+
+    def among_listed(self, column: Any, name: str) -> ColumnElement[bool]:
+        return column == any_(bindparam(name, type_=postgresql.ARRAY(String)))
+
+    def lock_in_order(self, connection: Connection, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            connection.execute(select(Job.id).where(self.among(Job.id, sorted(set(job_ids))),
+                                                    unfinished(Job.status))
+                               .order_by(Job.id).with_for_update(key_share=True))
+
+    def insert_jobs(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        _copy_rows(connection, Job.__table__, rows)
+
+    def insert_keyed(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> set[str]:
+        # COPY into a scratch table, then one INSERT from it: a multi-row INSERT of a
+        # 1,000-job slice spent more time in the driver building the statement than the
+        # database spent running it.
+        columns = ", ".join(rows[0])
+        connection.execute(text("CREATE TEMPORARY TABLE keyed_jobs (LIKE jobs INCLUDING DEFAULTS) "
+                                "ON COMMIT DROP"))
+        _copy_rows(connection, Job.__table__, rows, into="keyed_jobs")
+        return set(connection.execute(text(
+            f"INSERT INTO jobs ({columns}) SELECT {columns} FROM keyed_jobs "
+            "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id")).scalars())
+
+    def mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
+        connection.execute(_MARK_STARTED_POSTGRESQL, {
+            "ids": list(started), "started_at": list(started.values()),
+            "not_queued": [*FINISHED, JobStatus.RUNNING.value]})
+
+    def record_outcomes(self, connection: Connection, outcomes: Sequence[JobOutcome]
+                        ) -> dict[int, int]:
+        succeeded = [o for o in outcomes if o.error is None]
+        return load_by_shard(connection.execute(_RECORD_OUTCOMES_POSTGRESQL, {
+            "ids": [o.job_id for o in outcomes],
+            "statuses": [o.status.value for o in outcomes],
+            "errors": [o.error for o in outcomes],
+            "finished_at": [o.finished_at for o in outcomes],
+            "finished": FINISHED,
+            "recorded_at": utcnow(),
+            "result_ids": [o.job_id for o in succeeded],
+            "answers": [compression.compress((o.answer or "").encode()) for o in succeeded],
+            "completion_tokens": [o.completion_tokens for o in succeeded],
+            "cached_tokens": [o.cached_tokens for o in succeeded],
+            "finish_reasons": [o.finish_reason for o in succeeded],
+        }))
+
+
+class SQLite(Dialect):
+    """The one-machine demo's file: no arrays, and no row locks (it writes one transaction at
+    a time)."""
+
+    def insert_ignoring_duplicates(self, table: Any) -> Any:
+        return sqlite.insert(table).on_conflict_do_nothing()
+
+    def among(self, column: Any, values: Sequence[str]) -> ColumnElement[bool]:
+        return column.in_(list(values))
+
+    def among_listed(self, column: Any, name: str) -> ColumnElement[bool]:
+        return column.in_(bindparam(name, expanding=True))
+
+    def lock_in_order(self, connection: Connection, job_ids: Sequence[str]) -> None:
+        pass
+
+    def insert_jobs(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        if rows:
+            connection.execute(Job.__table__.insert(), list(rows))
+
+    def insert_keyed(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> set[str]:
+        return {row.id for row in connection.execute(
+            sqlite.insert(Job.__table__)
+            .on_conflict_do_nothing(index_elements=[Job.idempotency_key])
+            .returning(Job.id), list(rows))}
+
+    def mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
+        job = Job.__table__
+        connection.execute(
+            update(job).where(job.c.id == bindparam("b_id"),
+                              job.c.status == JobStatus.QUEUED.value)
+            .values(status=JobStatus.RUNNING.value, started_at=bindparam("b_started_at")),
+            [{"b_id": job_id, "b_started_at": at} for job_id, at in started.items()])
+
+    def record_outcomes(self, connection: Connection, outcomes: Sequence[JobOutcome]
+                        ) -> dict[int, int]:
+        # Row by row: the jobs still active, then their results and their endings.
+        job = Job.__table__
+        active = {row.id: (row.shard, row.load) for row in connection.execute(
+            select(job.c.id, job.c.shard, job.c.load)
+            .where(self.among(job.c.id, [o.job_id for o in outcomes]),
+                   unfinished(job.c.status)))}
+        outcomes = [o for o in outcomes if o.job_id in active]
+        if not outcomes:
+            return {}
+        succeeded = [o for o in outcomes if o.error is None]
+        if succeeded:
+            recorded_at = utcnow()
+            connection.execute(self.insert_ignoring_duplicates(Result.__table__), [
+                {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
+                 "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
+                 "finish_reason": o.finish_reason, "created_at": recorded_at}
+                for o in succeeded])
+        connection.execute(
+            update(job).where(job.c.id == bindparam("b_id")).values(
+                status=bindparam("b_status"), error=bindparam("b_error"),
+                finished_at=bindparam("b_finished_at")),
+            [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
+              "b_status": o.status.value} for o in outcomes])
+        return load_by_shard(active[o.job_id] for o in outcomes)

@@ -1,0 +1,160 @@
+"""Recording submitted jobs and moving them: a submit's documents and jobs in one
+transaction, jobs found by idempotency key, jobs handed to new messages (a reconciler sending
+stranded jobs again, a departing shard's jobs moved elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, or_, select, update
+from sqlalchemy.engine import Connection
+
+from jobsvc import compression
+from jobsvc.routing.job_cost import Route
+from jobsvc.store.conditions import sent_before, unclaimed
+from jobsvc.store.database import Database
+from jobsvc.store.records import MovableJob, NewDocument, NewJob, utcnow
+from jobsvc.store.tables import Document, Job
+from jobsvc.wire import ACTIVE_STATUSES, JobStatus, QueueMessage
+
+
+def _document_row(document: NewDocument, now: datetime) -> dict[str, Any]:
+    # Workers read everything a job runs from here: queue messages only name jobs.
+    return {"key": document.key, "text_zst": compression.compress(document.text.encode()),
+            "tokens_zst": compression.pack_tokens(document.tokens),
+            "tokens": len(document.tokens), "created_at": now}
+
+
+def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
+    return {"id": job.job_id, "document_key": job.document_key, "question": job.question,
+            "question_tokens_zst": compression.pack_tokens(job.question_tokens),
+            "sampling": job.sampling, "shard": job.shard, "status": JobStatus.QUEUED.value,
+            "prompt_tokens": job.prompt_tokens, "estimated_prefill": job.estimated_prefill,
+            "load": job.load, "message_id": job.message_id, "submitted_at": now,
+            "enqueued_at": now, "idempotency_key": job.idempotency_key}
+
+
+class Submitting(Database):
+    """The store's part that records jobs and hands them to messages."""
+
+    def record_submitted(self, documents: Sequence[NewDocument],
+                         jobs: Sequence[NewJob]) -> dict[str, str]:
+        """Record new documents (once each) and jobs, queued, in one transaction. A job whose
+        `idempotency_key` another job already holds is not recorded: the result maps such a
+        job's ID to the ID of the job that holds its key (committed by a concurrent submit
+        since the caller looked; the unique index makes this insert wait for that one)."""
+        now = utcnow()
+        document_rows = [_document_row(document, now) for document in documents]
+        rows = [_job_row(job, now) for job in jobs]
+        keyed = [row for row in rows if row["idempotency_key"] is not None]
+        unkeyed = [row for row in rows if row["idempotency_key"] is None]
+        with self.engine.begin() as connection:
+            if document_rows:
+                connection.execute(self._sql.insert_ignoring_duplicates(Document.__table__),
+                                   document_rows)
+            self._sql.insert_jobs(connection, unkeyed)
+            if not keyed:
+                return {}
+            inserted = self._sql.insert_keyed(connection, keyed)
+            lost = {row["idempotency_key"]: row["id"] for row in keyed
+                    if row["id"] not in inserted}
+            if not lost:
+                return {}
+            holders = self._jobs_by_key(connection, list(lost))
+        return {job_id: holders[key] for key, job_id in lost.items()}
+
+    def jobs_by_key(self, keys: Sequence[str]) -> dict[str, str]:
+        """The IDs of the jobs recorded under these idempotency keys, by key."""
+        if not keys:
+            return {}
+        with self._reads.connect() as connection:
+            return self._jobs_by_key(connection, keys)
+
+    def _jobs_by_key(self, connection: Connection, keys: Sequence[str]) -> dict[str, str]:
+        return dict(connection.execute(
+            select(Job.idempotency_key, Job.id).where(self._sql.among(Job.idempotency_key, keys)))
+            .all())
+
+    def forget_submitted(self, job_ids: Sequence[str]) -> None:
+        """Remove jobs recorded by a submit whose enqueue then failed."""
+        with self.engine.begin() as connection:
+            connection.execute(Job.__table__.delete().where(self._sql.among(Job.id, job_ids)))
+
+    def stranded_jobs(self, enqueued_before: datetime, live_messages: Sequence[str],
+                      limit: int) -> dict[int, list[str]]:
+        """Unfinished jobs sent before `enqueued_before` whose message is none of the live
+        ones, by shard: nothing will ever run them unless they are sent again."""
+        query = (
+            select(Job.shard, Job.id)
+            .where(Job.status.in_(ACTIVE_STATUSES), sent_before(enqueued_before),
+                   or_(Job.message_id.is_(None),
+                       ~self._sql.among(Job.message_id, list(live_messages))))
+            .order_by(Job.submitted_at)
+            .limit(limit))
+        stranded: dict[int, list[str]] = {}
+        with self._reads.connect() as connection:
+            for shard, job_id in connection.execute(query):
+                stranded.setdefault(shard, []).append(job_id)
+        return stranded
+
+    def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
+                      enqueued_before: datetime | None, limit: int) -> list[MovableJob]:
+        """Unfinished jobs on a shard that is leaving (all, or only those no worker has
+        claimed), oldest first, with what routing them again needs."""
+        query = select(Job.id, Job.document_key, Job.prompt_tokens, Job.sampling, Job.load).where(
+            Job.shard == shard, Job.status.in_(ACTIVE_STATUSES))
+        if unclaimed_only:
+            query = query.where(unclaimed())
+        if enqueued_before is not None:
+            query = query.where(sent_before(enqueued_before))
+        with self._reads.connect() as connection:
+            rows = connection.execute(query.order_by(Job.submitted_at).limit(limit)).all()
+            documents = self._documents(connection, {row.document_key for row in rows})
+        return [MovableJob(row.id, row.document_key, documents.get(row.document_key),
+                           row.prompt_tokens, int(row.sampling.get("max_tokens", 0)), row.load)
+                for row in rows]
+
+    def move_jobs(self, shard: int, messages: Sequence[QueueMessage],
+                  routes: Mapping[str, Route], *, unclaimed_only: bool) -> set[str]:
+        """Hand jobs still unfinished on `shard` (and unclaimed, if asked) to new messages on
+        the shards `routes` chose, with the loads charged there; the old messages then match
+        none of them. Returns the IDs of the jobs moved: a job that ended or was claimed
+        meanwhile stays where it is."""
+        now = utcnow()
+        # Statuses spelled out: an IN list cannot be bound once per row of an executemany.
+        statement = update(Job).where(
+            Job.id == bindparam("b_id"), Job.shard == shard,
+            or_(*(Job.status == status for status in ACTIVE_STATUSES)))
+        if unclaimed_only:
+            statement = statement.where(unclaimed())
+        statement = statement.values(
+            shard=bindparam("b_shard"), message_id=bindparam("b_message_id"),
+            estimated_prefill=bindparam("b_prefill"), load=bindparam("b_load"),
+            status=JobStatus.QUEUED.value, worker=None, enqueued_at=now)
+        rows = [{"b_id": job_id, "b_shard": message.shard, "b_message_id": message.message_id,
+                 "b_prefill": routes[job_id].estimated_prefill, "b_load": routes[job_id].load}
+                for message in messages for job_id in message.job_ids]
+        if not rows:
+            return set()
+        with self.engine.begin() as connection:
+            self._sql.lock_in_order(connection, [row["b_id"] for row in rows])
+            connection.execute(statement, rows)
+            return set(connection.scalars(select(Job.id).where(self._sql.among(
+                Job.message_id, [message.message_id for message in messages]))))
+
+    def assign_messages(self, messages: Sequence[QueueMessage]) -> None:
+        """Hand unfinished jobs to new messages, which alone may run them from now on; a job
+        a worker had claimed becomes queued and unclaimed again (its worker's message is
+        gone)."""
+        now = utcnow()
+        with self.engine.begin() as connection:
+            self._sql.lock_in_order(connection, [job_id for message in messages
+                                                  for job_id in message.job_ids])
+            for message in messages:
+                connection.execute(
+                    update(Job).where(self._sql.among(Job.id, message.job_ids),
+                                      Job.status.in_(ACTIVE_STATUSES))
+                    .values(message_id=message.message_id, status=JobStatus.QUEUED.value,
+                            worker=None, enqueued_at=now))

@@ -1,0 +1,160 @@
+"""Every check of a job's values, whichever way the job comes in: pure logic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobsvc.errors import InvalidJob
+from jobsvc.validation import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    ContextExceeded,
+    JobLimits,
+    check_prompt,
+    check_sampling,
+    check_sampling_value,
+    first_unstorable,
+    storable,
+    validate_job,
+)
+
+pytestmark = pytest.mark.unit
+
+LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=10,
+                   max_job_bytes=1024)
+
+
+def job(document: Any = "doc", question: Any = "q", **fields: Any) -> dict[str, Any]:
+    return {"document": document, "question": question, **fields}
+
+
+def test_defaults_are_filled_and_stop_lists_normalised() -> None:
+    accepted = validate_job(job(question="q?", stop=("END",)), LIMITS)
+    assert accepted.sampling == {"max_tokens": 64, "temperature": 0.0, "stop": ["END"]}
+    assert (accepted.document, accepted.question, accepted.idempotency_key) == (
+        "doc", "q?", None)
+
+
+@pytest.mark.parametrize(("document", "question", "message"), [
+    ("x" * 1001, "q", "over the limit"),
+    ("doc", "q" * 101, "over the limit"),
+    ("doc\x00", "q", "NUL"),
+    ("doc", "\ud800", "surrogate"),
+])
+def test_text_limits_and_encodings_are_enforced(document: str, question: str,
+                                                message: str) -> None:
+    with pytest.raises(InvalidJob, match=message):
+        validate_job(job(document, question), LIMITS)
+
+
+@pytest.mark.parametrize(("sampling", "message"), [
+    ({"stop": ["x" * 11]}, "stop has a string of 11 characters.*JOBSVC_MAX_STOP_CHARS"),
+    ({"stop": ["x"] * 17}, "stop must be a list of at most 16"),
+    ({"stop": ["x" * 10] * 16, "max_tokens": 8}, None),
+])
+def test_stop_strings_are_bounded_in_number_and_length(sampling: dict[str, object],
+                                                       message: str | None) -> None:
+    if message is None:
+        assert validate_job(job(**sampling), LIMITS).sampling["stop"] == sampling["stop"]
+        return
+    with pytest.raises(InvalidJob, match=message):
+        validate_job(job(**sampling), LIMITS)
+
+
+@pytest.mark.parametrize("stop", [["\ud800"], ["ok", "a\x00"]])
+def test_a_stop_string_the_engine_cannot_take_is_refused(stop: list[str]) -> None:
+    with pytest.raises(InvalidJob, match=r"stop has a string with a (lone surrogate|NUL)"):
+        validate_job(job(stop=stop), LIMITS)
+
+
+def test_a_job_larger_encoded_than_a_worker_reads_is_refused_naming_the_limit() -> None:
+    with pytest.raises(InvalidJob, match="JOBSVC_MAX_JOB_BYTES"):
+        validate_job(job(question="q" * 100, stop=["\u2603" * 10] * 16), LIMITS)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"document": None}, "document"),
+    ({"question": ""}, "question"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"seed": float("nan")}, "seed"),
+    ({"beam_width": 4}, "beam_width"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+])
+def test_a_refusal_names_its_field(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidJob) as refused:
+        validate_job(job(**fields), LIMITS)
+    assert refused.value.field == field and field in str(refused.value)
+
+
+def test_a_job_that_is_no_mapping_is_refused() -> None:
+    with pytest.raises(InvalidJob, match="expected a mapping, got str"):
+        validate_job("just a string", LIMITS)
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("", "a string of 1 to 128"),
+    ("k" * (MAX_IDEMPOTENCY_KEY_CHARS + 1), "a string of 1 to 128"),
+    (42, "a string of 1 to 128"),
+    ("key\x00", "contains a NUL"),
+    ("key\udc00", "contains a lone surrogate"),
+])
+def test_idempotency_keys_are_short_storable_strings(key: object, message: str) -> None:
+    with pytest.raises(InvalidJob, match=message) as refused:
+        validate_job(job(idempotency_key=key), LIMITS)
+    assert refused.value.field == "idempotency_key"
+
+
+def test_an_idempotency_key_is_kept_apart_from_the_sampling() -> None:
+    accepted = validate_job(job(idempotency_key="k" * MAX_IDEMPOTENCY_KEY_CHARS), LIMITS)
+    assert accepted.idempotency_key == "k" * MAX_IDEMPOTENCY_KEY_CHARS
+    assert "idempotency_key" not in accepted.sampling
+
+
+def test_sampling_alone_is_checked_as_a_jobs_is() -> None:
+    assert check_sampling({"temperature": 1.0, "stop": ("a",)}, 10) == {
+        "temperature": 1.0, "stop": ["a"]}
+    with pytest.raises(InvalidJob, match="top_p") as refused:
+        check_sampling({"top_p": 0}, 10)
+    assert refused.value.field == "top_p"
+
+
+def test_a_value_is_refused_under_the_name_its_caller_gave_it() -> None:
+    with pytest.raises(InvalidJob, match=r"^max_completion_tokens must be") as refused:
+        check_sampling_value("max_tokens", 0, 10, field="max_completion_tokens")
+    assert refused.value.field == "max_completion_tokens"
+
+
+def test_a_prompt_and_its_answer_must_fit_the_context_naming_what_to_shrink() -> None:
+    check_prompt(90, {"max_tokens": 10}, 100, prompt_field="messages")
+    with pytest.raises(ContextExceeded, match="shorten the messages or lower max_tokens") as long:
+        check_prompt(90, {"max_tokens": 11}, 100, prompt_field="messages")
+    assert long.value.field == "max_tokens"
+    with pytest.raises(ContextExceeded) as longer:
+        check_prompt(100, {"max_tokens": 0}, 100, prompt_field="prompt")
+    assert longer.value.field == "prompt"
+
+
+def test_a_prompt_of_a_single_token_is_refused_naming_its_field() -> None:
+    with pytest.raises(InvalidJob, match="document is too short") as short:
+        check_prompt(1, {"max_tokens": 4}, 100, prompt_field="document")
+    assert short.value.field == "document" and not isinstance(short.value, ContextExceeded)
+
+
+def test_min_tokens_is_checked_against_the_max_tokens_the_prompt_leaves() -> None:
+    check_prompt(90, {"max_tokens": 10, "min_tokens": 10}, 100, prompt_field="messages")
+    with pytest.raises(InvalidJob, match="min_tokens must not exceed max_tokens") as refused:
+        check_prompt(90, {"max_tokens": 10, "min_tokens": 11}, 100, prompt_field="messages")
+    assert refused.value.field == "min_tokens"
+
+
+def test_the_first_unstorable_string_of_a_json_value_is_found_with_its_path() -> None:
+    body = {"messages": [{"role": "user", "content": "fine"},
+                         {"role": "user", "content": "nul \x00"}], "k\ud800": "v"}
+    assert first_unstorable(body) == ("messages[1].content", "a NUL character")
+    assert first_unstorable({"k\ud800": "v"}) == ("k\ufffd", "a lone surrogate")
+    assert first_unstorable({"a": [1, None, "ok"]}) is None
+    assert storable("a\x00b\udfff") == "a\ufffdb\ufffd"

@@ -17,11 +17,17 @@ from dataclasses import replace
 import openai
 import psutil
 import pytest
+import redis
 
 from jobsvc.child_processes import ServerProcess
 from jobsvc.settings import Settings
 from tests.support.batch_server import API_KEY, openai_client, server_process
-from tests.support.environment import FAULT_TABLE
+from tests.support.environment import (
+    FAULT_TABLE,
+    TEST_DATABASE,
+    WORKER_REDIS_URL,
+    recreate_database,
+)
 from tests.support.raw_http import connect, head, read_reply
 from tests.support.servers import private_servers
 from tests.support.waiting import until
@@ -46,9 +52,19 @@ def record(scenario: str, *, submitted: int, succeeded: int, failed: int, lost: 
 
 
 @pytest.fixture(scope="module")
-def server(settings: Settings, tmp_path_factory: pytest.TempPathFactory
+def serve_settings() -> Settings:
+    """A database and a Redis database of this module's own: it runs in a process beside the
+    session's shared worker, whose database and Redis it must leave alone."""
+    redis_url = WORKER_REDIS_URL.rsplit("/", 1)[0] + "/13"
+    redis.Redis.from_url(redis_url).flushdb()
+    return Settings.from_env({}, redis_url=redis_url,
+                             database_url=recreate_database(f"{TEST_DATABASE}_serve"))
+
+
+@pytest.fixture(scope="module")
+def server(serve_settings: Settings, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    served = server_process(replace(settings, api_key=API_KEY, max_upload_bytes=64 << 20,
+    served = server_process(replace(serve_settings, api_key=API_KEY, max_upload_bytes=64 << 20,
                                     body_read_timeout=READ_TIMEOUT),
                             tmp_path_factory.mktemp("server-faults") / "serve.log")
     served.start()
@@ -119,9 +135,9 @@ def test_stalled_uploads_take_no_connection_and_end_in_408_while_others_are_serv
 
 
 def test_a_postgresql_outage_answers_503_with_retry_after_until_it_is_back(
-        settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> None:
+        serve_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> None:
     with private_servers(6403, 5453) as (redis_server, postgres):
-        served = server_process(replace(settings, api_key=API_KEY, redis_url=redis_server.url,
+        served = server_process(replace(serve_settings, api_key=API_KEY, redis_url=redis_server.url,
                                         database_url=postgres.url),
                                 tmp_path_factory.mktemp("outage") / "serve.log")
         served.start()

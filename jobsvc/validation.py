@@ -2,7 +2,9 @@
 batch file's line, `Client.submit_prepared`): its text, its sampling values, its stop strings,
 its idempotency key, and its prompt against the model's context. A job accepted here is
 accepted by the store, the tokenizer and vLLM's `SamplingParams`, so nothing fails later in
-a worker for what could have been said at submit.
+a worker for what could have been said at submit. That includes a structured-output constraint
+(`response_format`, `structured_outputs`): it is checked by vLLM's own backends, where vLLM is
+installed, as its input processor checks it before the engine.
 
 Pure: plain values in, plain values (or InvalidJob naming the field) out. What each way in
 accepts as its shape (a mapping for the client, an OpenAI request for a batch line) is its
@@ -11,6 +13,7 @@ own business; the values are checked here.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -28,6 +31,11 @@ MAX_IDEMPOTENCY_KEY_CHARS = 128
 # What PostgreSQL's text and the tokenizer refuse: NUL, and UTF-16 surrogates that pair with
 # nothing (a JSON escape such as "\ud800" decodes to one).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+class Unsupported(InvalidJob):
+    """A job asks for something this service does not serve (OpenAI's endpoints call it
+    `unsupported_parameter`)."""
 
 
 class ContextExceeded(InvalidJob):
@@ -101,6 +109,174 @@ def _check_flag(name: str, value: Any) -> None:
         raise InvalidJob(f"{name} must be true or false, got {value!r}", name)
 
 
+def _check_json_schema(name: str, value: Any) -> None:
+    schema = value
+    if isinstance(value, str):
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InvalidJob(f"{name} must be a JSON schema: an object, or a string holding "
+                             "one", name) from None
+    if not isinstance(schema, Mapping):
+        raise InvalidJob(f"{name} must be a JSON schema: an object, or a string holding one",
+                         name)
+
+
+def _check_regex(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise InvalidJob(f"{name} must be a string (a regular expression)", name)
+
+
+def _check_choice(name: str, value: Any) -> None:
+    if not isinstance(value, list) or not value or not all(isinstance(item, str)
+                                                           for item in value):
+        raise InvalidJob(f"{name} must be a non-empty list of strings", name)
+
+
+def _check_grammar(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidJob(f"{name} must be a non-empty string (an EBNF or Lark grammar)", name)
+
+
+def _check_json_object(name: str, value: Any) -> None:
+    if value is not True:
+        raise InvalidJob(f"{name} must be true if given", name)
+
+
+def _check_whitespace_pattern(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidJob(f"{name} must be a string (a regular expression)", name)
+
+
+# vLLM's StructuredOutputsParams, as its OpenAI server takes `structured_outputs`: exactly one
+# constraint, and options that shape it. `structural_tag` (tool-call tags) is not served.
+_CONSTRAINTS = {"json": _check_json_schema, "regex": _check_regex, "choice": _check_choice,
+                "grammar": _check_grammar, "json_object": _check_json_object}
+_CONSTRAINT_OPTIONS = {"disable_any_whitespace": _check_flag,
+                       "disable_additional_properties": _check_flag,
+                       "whitespace_pattern": _check_whitespace_pattern}
+
+
+@functools.lru_cache(maxsize=256)
+def _backend_refusal(constraint_json: str) -> str | None:
+    """Why the engine's structured-output backends cannot compile a constraint (given as its
+    JSON), or None. They are tried as vLLM's default `auto` backend tries them in its input
+    processor: xgrammar, else guidance (outlines for a schema guidance cannot take). Only the
+    grammar is built, not the tokenizer's mask, which keeps the check cheap; the verdict is
+    kept per distinct constraint, as a batch's lines usually share one."""
+    try:
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from vllm.v1.structured_output.backend_guidance import (
+            has_guidance_unsupported_json_features,
+            validate_guidance_grammar,
+        )
+        from vllm.v1.structured_output.backend_outlines import (
+            validate_structured_output_request_outlines,
+        )
+        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    except ImportError:
+        # A producer without vLLM: the worker's engine checks it, failing the job alone.
+        return None
+    constraint = json.loads(constraint_json)
+
+    def params() -> Any:
+        # A fresh one for each backend: xgrammar's check rewrites a `choice` into a grammar.
+        return SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+
+    try:
+        validate_xgrammar_grammar(params())
+        return None
+    except Exception as error:
+        xgrammar_refusal = str(error).rstrip()
+    schema = constraint.get("json")
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    try:
+        if schema is not None and has_guidance_unsupported_json_features(schema):
+            validate_structured_output_request_outlines(params())
+        else:
+            validate_guidance_grammar(params())
+    except Exception as error:
+        return f"{xgrammar_refusal}; the fallback backend: {error}"
+    return None
+
+
+# xgrammar starts its messages with a time and a source line of its own, which tell a caller
+# nothing.
+_BACKEND_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+def _json_encoded(name: str, value: Any) -> str:
+    """`value` as the job's sampling is stored (JSON, finite numbers only), or InvalidJob."""
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidJob(f"{name} must hold JSON values only (objects, arrays, strings, finite "
+                         "numbers, booleans, null), not nested too deep", name) from None
+
+
+def _check_storable_and_compiles(name: str, given: Any, constraint: Mapping[str, Any]) -> None:
+    """Check what the caller `given` holds only storable text, and that the `constraint` it
+    asks for compiles."""
+    _json_encoded(name, given)
+    if found := first_unstorable(given, name):
+        raise InvalidJob(f"{found[0]} has {found[1]}; remove it", found[0])
+    refusal = _backend_refusal(_json_encoded(name, constraint))
+    if refusal is not None:
+        reason = " ".join(_BACKEND_LOG_PREFIX.sub("", refusal).split())
+        raise InvalidJob(f"{name} cannot be compiled by the structured-output backend: "
+                         f"{reason}", name)
+
+
+def _check_structured_outputs(name: str, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise InvalidJob(f"{name} must be an object with one of {sorted(_CONSTRAINTS)}", name)
+    for key in value:
+        if key not in _CONSTRAINTS and key not in _CONSTRAINT_OPTIONS:
+            raise Unsupported(f"{name}.{key} is not supported by this server; use one of "
+                              f"{sorted(_CONSTRAINTS)}", f"{name}.{key}")
+    given = [key for key in _CONSTRAINTS if value.get(key) is not None]
+    if len(given) != 1:
+        raise InvalidJob(f"{name} must give exactly one of {sorted(_CONSTRAINTS)}, got "
+                         f"{given or 'none'}", name)
+    for key, item in value.items():
+        if item is not None:
+            {**_CONSTRAINTS, **_CONSTRAINT_OPTIONS}[key](f"{name}.{key}", item)
+    _check_storable_and_compiles(name, dict(value), dict(value))
+
+
+def _response_format_constraint(value: Any) -> dict[str, Any] | None:
+    """The `structured_outputs` constraint OpenAI's `response_format` asks for (None for
+    text), as vLLM's server translates it."""
+    name = "response_format"
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        constraint: dict[str, Any] = {"json_object": True}
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        field = f"{name}.json_schema"
+        if not isinstance(spec, Mapping):
+            raise InvalidJob(f"{field} must be an object with `name` and `schema`", field)
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise InvalidJob(f"{field}.name must be a non-empty string", f"{field}.name")
+        if spec.get("strict") is not None:
+            _check_flag(f"{field}.strict", spec["strict"])
+        if not isinstance(spec.get("schema"), Mapping):
+            raise InvalidJob(f"{field}.schema must be an object (a JSON schema)",
+                             f"{field}.schema")
+        constraint = {"json": dict(spec["schema"])}
+    elif kind == "structural_tag":
+        raise Unsupported(f"{name}: a structural tag is not supported by this server",
+                          f"{name}.type")
+    else:
+        raise InvalidJob(f"{name}.type must be one of text, json_object, json_schema; got "
+                         f"{kind!r}", f"{name}.type")
+    _check_storable_and_compiles(name, dict(value), constraint)
+    return constraint
+
+
 # Sampling keys a job may set, each with its check. Values pass to vLLM's SamplingParams as is,
 # so no range may be wider than the one SamplingParams accepts (temperature: [0, 2]): a job
 # accepted here and refused there would fail in the worker instead of at submit.
@@ -116,6 +292,8 @@ _SAMPLING_CHECKS = {
     "repetition_penalty": lambda n, v: _in_range(n, v, 1e-3, 10.0),
     "seed": lambda n, v: _in_range(n, v, 0, (1 << 63) - 1, integer=True),
     "ignore_eos": _check_flag,
+    # Stored in vLLM's terms; `response_format` (OpenAI's) is translated to it.
+    "structured_outputs": _check_structured_outputs,
 }
 SAMPLING_KEYS = frozenset({*_SAMPLING_CHECKS, "stop"})
 
@@ -132,17 +310,27 @@ def check_sampling_value(key: str, value: Any, max_stop_chars: int, *,
 
 
 def check_sampling(sampling: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
-    """Check a job's sampling settings: known keys, each value in range. Returns them with the
-    stop strings as a list, as they are stored."""
-    unknown = sorted(set(sampling) - SAMPLING_KEYS)
+    """Check a job's sampling settings: known keys, each value in range, a structured-output
+    constraint one the backend compiles. Returns them as they are stored: the stop strings as
+    a list, a `response_format` as the `structured_outputs` constraint it asks for (None for
+    either means none)."""
+    checked = {key: value for key, value in sampling.items()
+               if value is not None or key not in ("response_format", "structured_outputs")}
+    response_format = checked.pop("response_format", None)
+    unknown = sorted(set(checked) - SAMPLING_KEYS)
     if unknown:
-        raise InvalidJob(f"unknown sampling key(s) {unknown}; allowed: {sorted(SAMPLING_KEYS)}",
-                         unknown[0])
-    for key, value in sampling.items():
+        allowed = sorted({*SAMPLING_KEYS, "response_format"})
+        raise InvalidJob(f"unknown sampling key(s) {unknown}; allowed: {allowed}", unknown[0])
+    for key, value in checked.items():
         check_sampling_value(key, value, max_stop_chars)
-    checked = dict(sampling)
     if "stop" in checked:
         checked["stop"] = list(checked["stop"])
+    if response_format is not None:
+        if "structured_outputs" in checked:
+            raise InvalidJob("give either response_format or structured_outputs, not both",
+                             "structured_outputs")
+        if (constraint := _response_format_constraint(response_format)) is not None:
+            checked["structured_outputs"] = constraint
     return checked
 
 

@@ -124,6 +124,20 @@ def engine_args(settings: Settings) -> dict[str, Any]:
     return args
 
 
+def sampling_params(sampling: dict[str, Any]) -> Any:
+    """vLLM's SamplingParams for a job's stored sampling, its structured-output constraint
+    (stored as a mapping of StructuredOutputsParams' fields) made the object vLLM takes. The
+    engine's backend compiles each distinct constraint once and keeps it (xgrammar's compiler
+    cache), so jobs sharing a schema share its compilation."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    values = dict(sampling)
+    if (constraint := values.get("structured_outputs")) is not None:
+        values["structured_outputs"] = StructuredOutputsParams(**constraint)
+    return SamplingParams(**values, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
 class EngineAdapter:
     """Keeps vLLM's AsyncLLM on an event loop of its own, so that Celery's task threads (no event
     loop of theirs) hand it messages and take results back."""
@@ -222,9 +236,6 @@ class EngineAdapter:
 
     async def _run_group(self, requests: Sequence[EngineRequest],
                          on_result: Callable[[EngineResult], None]) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         self._waiting.update(request.job_id for request in requests)
         # Jobs in a message usually share their sampling settings: build each distinct one once.
         keys = [json.dumps(request.sampling, sort_keys=True) for request in requests]
@@ -232,8 +243,7 @@ class EngineAdapter:
         for key, request in zip(keys, requests, strict=True):
             if key not in params:
                 try:
-                    params[key] = SamplingParams(**request.sampling,
-                                                 output_kind=RequestOutputKind.FINAL_ONLY)
+                    params[key] = sampling_params(request.sampling)
                 except Exception as error:
                     params[key] = error
         await gather_paced([self._run_one(request, params[key], on_result)

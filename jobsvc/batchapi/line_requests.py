@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.errors import InvalidJob
-from jobsvc.validation import check_sampling, check_sampling_value
+from jobsvc.validation import Unsupported, check_sampling, check_sampling_value
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -22,9 +22,10 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 OPENAI_TEMPERATURE = 1.0
 COMPLETIONS_MAX_TOKENS = 16
 # Keys with the same meaning in the OpenAI request and in jobsvc's sampling, vLLM's extra
-# ones included.
+# ones included (a `response_format` becomes the `structured_outputs` constraint it asks for).
 _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
-                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                  "response_format", "structured_outputs")
 # Keys that change nothing about the answer here.
 _IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "service_tier",
                            "stream_options", "parallel_tool_calls"})
@@ -87,9 +88,6 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
         raise _unsupported(name, "log probabilities")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "a logit bias")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise _unsupported("response_format", "a response format other than text")
     if endpoint == COMPLETIONS_ENDPOINT:
         if body.get("echo"):
             raise _unsupported("echo", "echoing the prompt")
@@ -102,13 +100,12 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
 _HANDLED = {
     CHAT_ENDPOINT: frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "n",
                               "stream", "tools", "functions", "tool_choice", "function_call",
-                              "logprobs", "top_logprobs", "logit_bias", "response_format",
-                              *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+                              "logprobs", "top_logprobs", "logit_bias", *_SAMPLING_KEYS,
+                              *_IGNORED_KEYS}),
     COMPLETIONS_ENDPOINT: frozenset({"prompt", "max_tokens", "stop", "n", "stream", "logprobs",
                                      "logit_bias", "echo", "best_of", "suffix", "tools",
                                      "functions", "tool_choice", "function_call",
-                                     "response_format", "top_logprobs",
-                                     *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+                                     "top_logprobs", *_SAMPLING_KEYS, *_IGNORED_KEYS}),
 }
 
 
@@ -122,6 +119,8 @@ def _sampling(body: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
     try:
         return check_sampling(sampling, max_stop_chars)
+    except Unsupported as error:
+        raise LineError(str(error), error.field, "unsupported_parameter") from None
     except InvalidJob as error:
         raise LineError(str(error), error.field) from None
 

@@ -129,6 +129,27 @@ def test_sampling_maps_from_both_endpoints_with_openai_defaults() -> None:
     assert refused.value.param == "echo"
 
 
+def test_a_lines_structured_output_becomes_its_jobs_constraint_or_a_named_refusal() -> None:
+    schema = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}}}
+    chat = parse_request(CHAT_ENDPOINT, {
+        "messages": [{"role": "user", "content": "q"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "label", "schema": schema}}},
+        served_model="jobsvc", max_stop_chars=100)
+    assert chat.sampling["structured_outputs"] == {"json": schema}
+    completion = parse_request(COMPLETIONS_ENDPOINT, {
+        "prompt": "q", "structured_outputs": {"choice": ["a", "b"]}},
+        served_model="jobsvc", max_stop_chars=100)
+    assert completion.sampling["structured_outputs"] == {"choice": ["a", "b"]}
+    for body, param, code in [
+            ({"response_format": {"type": "structural_tag"}}, "response_format.type",
+             "unsupported_parameter"),
+            ({"structured_outputs": {"regex": "("}}, "structured_outputs", "invalid_value")]:
+        with pytest.raises(LineError) as refused:
+            parse_request(CHAT_ENDPOINT, {"messages": [{"role": "user", "content": "q"}],
+                                          **body}, served_model="jobsvc", max_stop_chars=100)
+        assert (refused.value.param, refused.value.code) == (param, code)
+
+
 def test_a_document_is_the_shared_prefix_wherever_a_request_puts_it() -> None:
     template = ChatTemplate(str(TINY_MODEL))
     document = "First paragraph.\n\nSecond paragraph."

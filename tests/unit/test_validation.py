@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from jobsvc.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     ContextExceeded,
     JobLimits,
+    Unsupported,
     check_prompt,
     check_sampling,
     check_sampling_value,
@@ -158,3 +160,82 @@ def test_the_first_unstorable_string_of_a_json_value_is_found_with_its_path() ->
     assert first_unstorable({"k\ud800": "v"}) == ("k\ufffd", "a lone surrogate")
     assert first_unstorable({"a": [1, None, "ok"]}) is None
     assert storable("a\x00b\udfff") == "a\ufffdb\ufffd"
+
+
+LABEL_SCHEMA = {"type": "object", "properties": {"label": {"enum": ["yes", "no"]}},
+                "required": ["label"]}
+
+
+@pytest.mark.parametrize(("fields", "constraint"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "label", "schema": LABEL_SCHEMA, "strict": True}}}, {"json": LABEL_SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": None}, None),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}}, {"regex": "[0-9]{3}"}),
+    ({"structured_outputs": {"json": LABEL_SCHEMA, "disable_any_whitespace": True}},
+     {"json": LABEL_SCHEMA, "disable_any_whitespace": True}),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+     {"grammar": 'root ::= "a" | "b"'}),
+])
+def test_a_structured_output_is_stored_as_vllms_constraint(
+        fields: dict[str, Any], constraint: dict[str, Any] | None) -> None:
+    sampling = validate_job(job(**fields), replace(LIMITS, max_job_bytes=4096)).sampling
+    assert sampling.get("structured_outputs") == constraint
+    assert "response_format" not in sampling
+
+
+@pytest.mark.parametrize(("fields", "field", "message"), [
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs", "cannot be compiled"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs",
+     "cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", "cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/missing"}}}}, "response_format",
+     "cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": LABEL_SCHEMA}}},
+     "response_format.json_schema.name", "non-empty string"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "must be one of"),
+    ({"response_format": "json"}, "response_format.type", "must be one of"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object",
+     "must be true"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs",
+     "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": ["a"]}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json",
+     "JSON schema"),
+    ({"structured_outputs": {"choice": ["a\x00"]}}, "structured_outputs.choice[0]", "NUL"),
+    ({"structured_outputs": {"json": {"maximum": float("nan")}}}, "structured_outputs",
+     "JSON values only"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs", "not both"),
+])
+def test_a_constraint_the_backend_cannot_take_is_refused_naming_its_field(
+        fields: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(InvalidJob, match=message) as refused:
+        validate_job(job(**fields), LIMITS)
+    assert refused.value.field == field and not isinstance(refused.value, Unsupported)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+])
+def test_a_constraint_not_served_is_refused_as_unsupported(fields: dict[str, Any],
+                                                           field: str) -> None:
+    with pytest.raises(Unsupported) as refused:
+        validate_job(job(**fields), LIMITS)
+    assert refused.value.field == field
+
+
+def test_a_schema_counts_toward_the_jobs_encoded_size() -> None:
+    big = {"type": "object", "properties": {f"field_{i}": {"enum": ["a", "b"]}
+                                            for i in range(40)}}
+    with pytest.raises(InvalidJob, match="JOBSVC_MAX_JOB_BYTES"):
+        validate_job(job(structured_outputs={"json": big}), LIMITS)

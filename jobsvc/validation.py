@@ -13,10 +13,11 @@ own business; the values are checked here.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import math
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -157,13 +158,33 @@ _CONSTRAINT_OPTIONS = {"disable_any_whitespace": _check_flag,
                        "whitespace_pattern": _check_whitespace_pattern}
 
 
-@functools.lru_cache(maxsize=256)
+# Verdicts of the backend check by the digest of the constraint's JSON: a batch's lines
+# usually share one constraint, and a digest keeps what is held small however large the
+# constraints callers send.
+_VERDICTS: dict[bytes, str | None] = {}
+_MOST_VERDICTS = 256
+_VERDICTS_LOCK = threading.Lock()
+
+
 def _backend_refusal(constraint_json: str) -> str | None:
     """Why the engine's structured-output backends cannot compile a constraint (given as its
-    JSON), or None. They are tried as vLLM's default `auto` backend tries them in its input
-    processor: xgrammar, else guidance (outlines for a schema guidance cannot take). Only the
-    grammar is built, not the tokenizer's mask, which keeps the check cheap; the verdict is
-    kept per distinct constraint, as a batch's lines usually share one."""
+    JSON), or None; the verdict is kept per distinct constraint."""
+    digest = hashlib.sha256(constraint_json.encode()).digest()
+    with _VERDICTS_LOCK:
+        if digest in _VERDICTS:
+            return _VERDICTS[digest]
+    verdict = _compile_refusal(constraint_json)
+    with _VERDICTS_LOCK:
+        if len(_VERDICTS) >= _MOST_VERDICTS:
+            del _VERDICTS[next(iter(_VERDICTS))]
+        _VERDICTS[digest] = verdict
+    return verdict
+
+
+def _compile_refusal(constraint_json: str) -> str | None:
+    """The backend check itself, tried as vLLM's default `auto` backend tries them in its
+    input processor: xgrammar, else guidance (outlines for a schema guidance cannot take).
+    Only the grammar is built, not the tokenizer's mask, which keeps the check cheap."""
     try:
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
         from vllm.v1.structured_output.backend_guidance import (

@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     bench = commands.add_parser(
         "bench", help="service vs standalone vLLM in alternated pairs; JSON on stdout")
-    bench.add_argument("--workload", default="reuse", help="unique, reuse, zipf or PATH.jsonl")
+    bench.add_argument("--workload", default="reuse",
+                       help="unique, reuse, zipf, structured or PATH.jsonl")
     bench.add_argument("--shards", type=int, default=1)
     bench.add_argument("--policy", choices=POLICY_NAMES,
                        help="routing policy for this run (default: JOBSVC_ROUTING)")

@@ -31,7 +31,6 @@ from jobsvc.transport import make_celery
 from jobsvc.validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
-    JobLimits,
     JobRequest,
     check_prompt,
     validate_job,
@@ -60,9 +59,7 @@ class Client:
         self._celery = make_celery(self.settings)
         self._dispatcher = Dispatcher(self.settings, self._redis, self._store, self._celery,
                                       self._ledger)
-        self._limits = JobLimits(self.settings.max_document_chars,
-                                 self.settings.max_question_chars, self.settings.max_stop_chars,
-                                 self.settings.max_job_bytes)
+        self._limits = self.settings.job_limits
 
     def close(self) -> None:
         """Let go of the database pool and the Redis connection."""
@@ -238,10 +235,11 @@ class Client:
         return [job_id for job_id in job_ids if not statuses[job_id].finished]
 
     def _check_prompts(self, jobs: Sequence[PreparedJob]) -> None:
-        context = self._prompts.context_length
+        context, vocabulary = self._prompts.context_length, self._prompts.vocabulary_size
         for index, job in enumerate(jobs):
             with _naming_job(index):
-                check_prompt(job.prompt_tokens, job.sampling, context, prompt_field="document")
+                check_prompt(job.prompt_tokens, job.sampling, context, vocabulary,
+                             prompt_field="document")
 
 
 @contextmanager

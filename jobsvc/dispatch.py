@@ -31,7 +31,13 @@ from jobsvc.errors import (
     translated,
 )
 from jobsvc.messages import PlacedJob, form_messages
-from jobsvc.routing.job_cost import Route, RoutingJob, decode_load, loads_per_shard
+from jobsvc.routing.job_cost import (
+    Route,
+    RoutingJob,
+    answer_tokens,
+    decode_load,
+    loads_per_shard,
+)
 from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.prefix import DocumentKeys, document_keys
 from jobsvc.routing.router import Router, make_router
@@ -106,7 +112,8 @@ class Dispatcher:
         cost = self._settings.routing_decode_cost
         with translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
             routed = self._route(self._router, job_ids, [
-                RoutingJob(prefix, job.prompt_tokens, decode_load(job.sampling["max_tokens"], cost))
+                RoutingJob(prefix, job.prompt_tokens,
+                           decode_load(answer_tokens(job.sampling), cost))
                 for job, prefix in zip(jobs, prefix_keys, strict=True)],
                 [prefix.document_key for prefix in prefix_keys])
         # routes --> messages
@@ -151,7 +158,8 @@ class Dispatcher:
         keys = {job.document_key: _routing_keys(job, self._settings.block_size)
                 for job in jobs}
         routed = self._route(router, [job.job_id for job in jobs], [
-            RoutingJob(keys[job.document_key], job.prompt_tokens, decode_load(job.max_tokens, cost))
+            RoutingJob(keys[job.document_key], job.prompt_tokens,
+                       decode_load(job.answer_tokens, cost))
             for job in jobs], [job.document_key for job in jobs])
         messages = form_messages([placed for placed in routed.placed if placed.shard != shard],
                                  self._settings.batch_size)

@@ -47,17 +47,28 @@ class PromptBuilder:
         return _HuggingFaceTokenizer(AutoTokenizer.from_pretrained(self._model))
 
     @cached_property
+    def _config(self) -> dict[str, Any]:
+        config_file = Path(self._model) / "config.json"
+        if config_file.is_file():
+            return dict(json.loads(config_file.read_text()))
+        from transformers import AutoConfig
+
+        return dict(AutoConfig.from_pretrained(self._model).to_dict())
+
+    @cached_property
+    def vocabulary_size(self) -> int:
+        """How many tokens the model's output layer scores: a logit bias names only these."""
+        size = self._config.get("vocab_size")
+        if not size:
+            raise ConfigurationError(f"cannot tell the vocabulary size of {self._model!r}")
+        return int(size)
+
+    @cached_property
     def context_length(self) -> int:
         """Longest prompt plus answer the engine accepts (JOBSVC_MAX_MODEL_LEN or the model's)."""
         if self._max_model_len:
             return self._max_model_len
-        config_file = Path(self._model) / "config.json"
-        if config_file.is_file():
-            config = json.loads(config_file.read_text())
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self._model).to_dict()
+        config = self._config
         length = config.get("max_position_embeddings") or config.get("max_seq_len")
         if not length:
             raise ConfigurationError(

@@ -14,12 +14,14 @@ from jobsvc.errors import ConfigurationError
 from jobsvc.health import ALIVE_SECONDS
 from jobsvc.routing.job_cost import DEFAULT_DECODE_COST
 from jobsvc.routing.policies import DEFAULT_EPSILON, DEFAULT_WEIGHT, POLICY_NAMES
+from jobsvc.validation import JobLimits
 
 # The tiny test model, the default JOBSVC_MODEL, lives in a checkout of the repository, not in
 # the installed package: an installed jobsvc elsewhere needs JOBSVC_MODEL (see `prompts`).
 TINY_MODEL = Path(__file__).resolve().parent.parent / "ops" / "tiny-llama"
 EMBEDDED_DATABASE_URL = "sqlite:///jobsvc.db"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class Settings:
     # KV cache size in GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE, unless that is set).
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = True
+    # How the engine orders the requests it holds: "fcfs" (arrival) or "priority" (a job's
+    # `priority`, lower first, then arrival). Under fcfs a job giving a priority is refused.
+    scheduling_policy: str = "fcfs"
     # Instruments a worker attaches (`jobsvc.workers.hooks`): `module:factory`, imported when the
     # worker starts. Empty: none. `jobsvc bench` names its probes for the workers it starts.
     worker_hooks: str = ""
@@ -118,6 +123,12 @@ class Settings:
     # Seconds a server's claim on driving a batch lasts unless renewed (it renews every
     # second): after a crash, another server takes the batch over this long later.
     batch_lease_seconds: int = 30
+
+    @property
+    def job_limits(self) -> JobLimits:
+        """What a job may hold and ask for, as every producer checks it."""
+        return JobLimits(self.max_document_chars, self.max_question_chars, self.max_stop_chars,
+                         self.max_job_bytes, self.scheduling_policy == "priority")
 
     @property
     def resolved_database_url(self) -> str:
@@ -183,6 +194,9 @@ class Settings:
         if self.dtype and self.dtype not in DTYPES:
             raise ConfigurationError(f"JOBSVC_DTYPE={self.dtype!r} is not one of "
                                      f"{', '.join(DTYPES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigurationError(f"JOBSVC_SCHEDULING_POLICY={self.scheduling_policy!r} is "
+                                     f"not one of {', '.join(SCHEDULING_POLICIES)}")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigurationError("JOBSVC_ZSTD_LEVEL must be between 1 and 22")
         if self.max_upload_bytes < 1 or self.batch_window_seconds < 1 or (

@@ -27,6 +27,11 @@ from jobsvc.errors import InvalidJob
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.0
 MAX_STOP_STRINGS = 16
+# Most choices a job may ask for (OpenAI's limit on `n`), most likely alternatives per token
+# (the engine's default `max_logprobs`), and most tokens a logit bias may name.
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20
+MAX_BIASED_TOKENS = 1024
 # The store's column for a job's idempotency key is this long.
 MAX_IDEMPOTENCY_KEY_CHARS = 128
 # What PostgreSQL's text and the tokenizer refuse: NUL, and UTF-16 surrogates that pair with
@@ -108,6 +113,26 @@ def _check_stop(name: str, value: Any, max_chars: int) -> None:
 def _check_flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise InvalidJob(f"{name} must be true or false, got {value!r}", name)
+
+
+def _check_logit_bias(name: str, value: Any) -> None:
+    if not isinstance(value, Mapping) or len(value) > MAX_BIASED_TOKENS:
+        raise InvalidJob(f"{name} must be an object of at most {MAX_BIASED_TOKENS} token IDs, "
+                         "each with a bias from -100 to 100", name)
+    for token, bias in value.items():
+        if not _token_id(token):
+            raise InvalidJob(f"{name} has the key {storable(str(token))!r}, which is not a "
+                             "token ID (a non-negative integer)", name)
+        _in_range(f"{name}[{token}]", bias, -100.0, 100.0)
+
+
+def _token_id(key: Any) -> bool:
+    """Whether a logit bias key names a token: an int, or a string of ASCII digits."""
+    if isinstance(key, bool):
+        return False
+    if isinstance(key, int):
+        return 0 <= key < 1 << 31
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
 
 
 def _check_json_schema(name: str, value: Any) -> None:
@@ -313,6 +338,12 @@ _SAMPLING_CHECKS = {
     "repetition_penalty": lambda n, v: _in_range(n, v, 1e-3, 10.0),
     "seed": lambda n, v: _in_range(n, v, 0, (1 << 63) - 1, integer=True),
     "ignore_eos": _check_flag,
+    "n": lambda n, v: _in_range(n, v, 1, MAX_CHOICES, integer=True),
+    # vLLM's meaning: the log probability of each generated token and of the k most likely.
+    "logprobs": lambda n, v: _in_range(n, v, 0, MAX_TOP_LOGPROBS, integer=True),
+    "logit_bias": _check_logit_bias,
+    # vLLM's meaning: lower runs earlier, when the engine schedules by priority.
+    "priority": lambda n, v: _in_range(n, v, -(1 << 31), (1 << 31) - 1, integer=True),
     # Stored in vLLM's terms; `response_format` (OpenAI's) is translated to it.
     "structured_outputs": _check_structured_outputs,
 }
@@ -330,11 +361,13 @@ def check_sampling_value(key: str, value: Any, max_stop_chars: int, *,
         _SAMPLING_CHECKS[key](name, value)
 
 
-def check_sampling(sampling: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
+def check_sampling(sampling: Mapping[str, Any], max_stop_chars: int, *,
+                   priority_scheduling: bool) -> dict[str, Any]:
     """Check a job's sampling settings: known keys, each value in range, a structured-output
-    constraint one the backend compiles. Returns them as they are stored: the stop strings as
-    a list, a `response_format` as the `structured_outputs` constraint it asks for (None for
-    either means none)."""
+    constraint one the backend compiles, a priority only where the engine schedules by it
+    (`priority_scheduling`). Returns them as they are stored: the stop strings as a list, a
+    logit bias keyed by token IDs as strings, a `response_format` as the `structured_outputs`
+    constraint it asks for (None for either means none)."""
     checked = {key: value for key, value in sampling.items()
                if value is not None or key not in ("response_format", "structured_outputs")}
     response_format = checked.pop("response_format", None)
@@ -346,6 +379,11 @@ def check_sampling(sampling: Mapping[str, Any], max_stop_chars: int) -> dict[str
         check_sampling_value(key, value, max_stop_chars)
     if "stop" in checked:
         checked["stop"] = list(checked["stop"])
+    if "logit_bias" in checked:
+        checked["logit_bias"] = {str(token): bias for token, bias in checked["logit_bias"].items()}
+    if checked.get("priority", 0) != 0 and not priority_scheduling:
+        raise Unsupported("priority is not served: the engine schedules requests in arrival "
+                          "order (JOBSVC_SCHEDULING_POLICY=fcfs); leave it 0", "priority")
     if response_format is not None:
         if "structured_outputs" in checked:
             raise InvalidJob("give either response_format or structured_outputs, not both",
@@ -403,6 +441,8 @@ class JobLimits:
     max_stop_chars: int
     # The job's own record (question and sampling, JSON-encoded) as a worker reads it.
     max_job_bytes: int
+    # Whether the engine schedules by a job's `priority` (JOBSVC_SCHEDULING_POLICY).
+    priority_scheduling: bool
 
 
 def validate_job(job: Any, limits: JobLimits) -> JobRequest:
@@ -417,7 +457,8 @@ def validate_job(job: Any, limits: JobLimits) -> JobRequest:
     question = _check_text("question", fields.pop("question", None), limits.max_question_chars)
     sampling = check_sampling({"max_tokens": DEFAULT_MAX_TOKENS,
                                "temperature": DEFAULT_TEMPERATURE, **fields},
-                              limits.max_stop_chars)
+                              limits.max_stop_chars,
+                              priority_scheduling=limits.priority_scheduling)
     _check_min_tokens(sampling)
     encoded = len(json.dumps({"question": question, "sampling": sampling}).encode())
     if encoded > limits.max_job_bytes:
@@ -426,12 +467,17 @@ def validate_job(job: Any, limits: JobLimits) -> JobRequest:
     return JobRequest(document, question, sampling, key)
 
 
-def check_prompt(prompt_tokens: int, sampling: Mapping[str, Any], context: int, *,
-                 prompt_field: str) -> None:
+def check_prompt(prompt_tokens: int, sampling: Mapping[str, Any], context: int,
+                 vocabulary: int, *, prompt_field: str) -> None:
     """Check a tokenized job against the model: a prompt of at least two tokens (a stored
     prefix and suffix hold one each), the prompt plus `max_tokens` within the `context`
-    (ContextExceeded), and `min_tokens` at most `max_tokens`. `prompt_field` names what
-    holds the prompt (`document`, `messages`, `prompt`), for the error to name."""
+    (ContextExceeded), `min_tokens` at most `max_tokens`, and a logit bias naming tokens of
+    the model's `vocabulary` (its size). `prompt_field` names what holds the prompt
+    (`document`, `messages`, `prompt`), for the error to name."""
+    outside = [token for token in sampling.get("logit_bias", {}) if int(token) >= vocabulary]
+    if outside:
+        raise InvalidJob(f"logit_bias names token {outside[0]}, outside the model's vocabulary "
+                         f"of {vocabulary} tokens", "logit_bias")
     if prompt_tokens < 2:
         raise InvalidJob(f"{prompt_field} is too short: its prompt is a single token",
                          prompt_field)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeVar
 
+from jobsvc.choices import Choice, TokenLogprob, finite
 from jobsvc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class EngineResult:
     finished_at: float
     # The engine's reason for ending the answer (`stop`, `length`); None without one.
     finish_reason: str | None = None
+    # Every choice with its log probabilities, for a job that asked for several or for log
+    # probabilities (else none: `text` is the whole answer).
+    choices: tuple[Choice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ def engine_args(settings: Settings) -> dict[str, Any]:
         "block_size": settings.block_size,
         "disable_log_stats": False,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "scheduling_policy": settings.scheduling_policy,
     }
     if settings.max_model_len:
         args["max_model_len"] = settings.max_model_len
@@ -128,11 +133,16 @@ def sampling_params(sampling: dict[str, Any]) -> Any:
     """vLLM's SamplingParams for a job's stored sampling, its structured-output constraint
     (stored as a mapping of StructuredOutputsParams' fields) made the object vLLM takes. The
     engine's backend compiles each distinct constraint once and keeps it (xgrammar's compiler
-    cache), so jobs sharing a schema share its compilation."""
+    cache), so jobs sharing a schema share its compilation. A job's `priority` is not a
+    sampling setting of vLLM's: it goes to the engine with the request (`EngineAdapter`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     values = dict(sampling)
+    values.pop("priority", None)
+    if (bias := values.get("logit_bias")) is not None:
+        # Stored as JSON, its keys are strings; the engine looks tokens up by their ID.
+        values["logit_bias"] = {int(token): value for token, value in bias.items()}
     if (constraint := values.get("structured_outputs")) is not None:
         values["structured_outputs"] = StructuredOutputsParams(**constraint)
     return SamplingParams(**values, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -265,22 +275,48 @@ class EngineAdapter:
         try:
             async for output in self._engine.generate(
                     {"prompt_token_ids": request.prefix + request.suffix}, params,
-                    request.job_id):
+                    request.job_id, priority=request.sampling.get("priority", 0)):
                 final = output
         except Exception as error:
             if self._on_engine_dead is not None and self.dead:
                 self._on_engine_dead(error)
                 return
-            log.warning("job %s failed in the engine: %s", request.job_id, error)
+            log.warning("job %s failed in the engine: %s: %s", request.job_id,
+                        type(error).__name__, error)
             on_result(_failure(request.job_id, prompt_tokens, error))
             return
-        completion = final.outputs[0] if final is not None and final.outputs else None
-        if completion is None or completion.finish_reason == "abort":
+        completions = final.outputs if final is not None else []
+        if not completions or any(c.finish_reason == "abort" for c in completions):
             on_result(_no_output(request.job_id, prompt_tokens, "aborted in the engine"))
             return
-        on_result(EngineResult(request.job_id, completion.text, None, prompt_tokens,
-                               len(completion.token_ids), final.num_cached_tokens or 0,
-                               time.time(), completion.finish_reason))
+        first = completions[0]
+        choices = (tuple(_choice(completion, params.logprobs) for completion in completions)
+                   if len(completions) > 1 or params.logprobs is not None else ())
+        on_result(EngineResult(request.job_id, first.text, None, prompt_tokens,
+                               sum(len(c.token_ids) for c in completions),
+                               final.num_cached_tokens or 0, time.time(), first.finish_reason,
+                               choices))
+
+
+def _choice(completion: Any, top: int | None) -> Choice:
+    """One of the engine's answers as a job's choice, with its log probabilities if the job
+    asked for them: the engine gives, at each step, the sampled token and the `top` most
+    likely, each with its rank."""
+    logprobs = None
+    if top is not None and completion.logprobs is not None:
+        logprobs = tuple(_token_logprob(token_id, step, top)
+                         for token_id, step in zip(completion.token_ids, completion.logprobs,
+                                                   strict=True))
+    return Choice(completion.text, completion.finish_reason, len(completion.token_ids),
+                  logprobs)
+
+
+def _token_logprob(token_id: int, step: dict[int, Any], top: int) -> TokenLogprob:
+    ranked = sorted(step.values(), key=lambda entry: -entry.logprob)[:top]
+    sampled = step[token_id]
+    return TokenLogprob(sampled.decoded_token or "", finite(sampled.logprob),
+                        tuple((entry.decoded_token or "", finite(entry.logprob))
+                              for entry in ranked))
 
 
 def _failure(job_id: str, prompt_tokens: int, error: BaseException) -> EngineResult:

@@ -314,7 +314,8 @@ def _outcome(ending: str, row: OutputRow) -> Outcome:
     if row.status == JobStatus.SUCCEEDED.value and row.answer is not None:
         return Answer(row.job_id or "", row.answer, row.prompt_tokens or 0,
                       row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
-                      _seconds(row.finished_at), row.finish_reason)
+                      _seconds(row.finished_at), row.finish_reason, row.choices,
+                      row.sampling.get("logprobs"))
     if row.status == JobStatus.FAILED.value:
         return Failed(row.job_error or "the job failed")
     return Unrun(ended_error(ending))

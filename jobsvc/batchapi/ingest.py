@@ -25,7 +25,7 @@ from jobsvc.dispatch import PreparedJob
 from jobsvc.errors import InvalidJob
 from jobsvc.prompts import PromptBuilder
 from jobsvc.store.batches import LineOutcome
-from jobsvc.validation import ContextExceeded, check_prompt
+from jobsvc.validation import ContextExceeded, JobLimits, check_prompt
 
 
 def idempotency_key(batch_id: str, custom_id: str) -> str:
@@ -51,12 +51,12 @@ class Ingestor:
     so that a bad line fails alone instead of taking its slice down."""
 
     def __init__(self, client: Client, prompts: PromptBuilder, template: ChatTemplate, *,
-                 served_model: str, max_stop_chars: int) -> None:
+                 served_model: str, limits: JobLimits) -> None:
         self._client = client
         self._prompts = prompts
         self._template = template
         self._served_model = served_model
-        self._max_stop_chars = max_stop_chars
+        self._limits = limits
 
     @property
     def context_length(self) -> int:
@@ -74,7 +74,7 @@ class Ingestor:
                 continue
             try:
                 parsed = parse_request(endpoint, request.body, served_model=self._served_model,
-                                       max_stop_chars=self._max_stop_chars)
+                                       limits=self._limits)
                 split = (self._template.split(parsed.messages)
                          if isinstance(parsed, ChatRequest) else split_prompt(parsed.prompt))
             except LineError as error:
@@ -100,7 +100,7 @@ class Ingestor:
                                  strict=True))
         suffix_tokens = self._prompts.encode([item.split.suffix for item in accepted],
                                              special=False)
-        context = self._prompts.context_length
+        context, vocabulary = self._prompts.context_length, self._prompts.vocabulary_size
         prompt_field = "prompt" if completions else "messages"
         jobs = []
         for item, suffix in zip(accepted, suffix_tokens, strict=True):
@@ -113,7 +113,7 @@ class Ingestor:
             max_tokens = item.max_tokens if item.max_tokens is not None else context - prompt
             sampling = {**item.sampling, "max_tokens": max_tokens}
             try:
-                check_prompt(prompt, sampling, context, prompt_field=prompt_field)
+                check_prompt(prompt, sampling, context, vocabulary, prompt_field=prompt_field)
             except InvalidJob as error:
                 errors[item.request.line] = LineError(
                     str(error), error.field, "context_length_exceeded"

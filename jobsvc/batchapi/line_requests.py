@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.errors import InvalidJob
-from jobsvc.validation import Unsupported, check_sampling, check_sampling_value
+from jobsvc.validation import JobLimits, Unsupported, check_sampling, check_sampling_value
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -25,7 +25,7 @@ COMPLETIONS_MAX_TOKENS = 16
 # ones included (a `response_format` becomes the `structured_outputs` constraint it asks for).
 _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-                  "response_format", "structured_outputs")
+                  "response_format", "structured_outputs", "n", "logit_bias", "priority")
 # Keys that change nothing about the answer here.
 _IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "service_tier",
                            "stream_options", "parallel_tool_calls"})
@@ -73,8 +73,6 @@ def _unsupported(param: str, what: str) -> LineError:
 
 def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
     """Features jobsvc does not serve, each refused by name when the line asks for it."""
-    if body.get("n") not in (None, 1):
-        raise _unsupported("n", "more than one choice (n > 1)")
     if body.get("stream"):
         raise _unsupported("stream", "streaming")
     for name in ("tools", "functions"):
@@ -83,16 +81,13 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise _unsupported(name, "tool calling")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        name = "logprobs" if body.get("logprobs") not in (None, False) else "top_logprobs"
-        raise _unsupported(name, "log probabilities")
-    if body.get("logit_bias"):
-        raise _unsupported("logit_bias", "a logit bias")
     if endpoint == COMPLETIONS_ENDPOINT:
         if body.get("echo"):
             raise _unsupported("echo", "echoing the prompt")
-        if body.get("best_of") not in (None, 1):
-            raise _unsupported("best_of", "best_of > 1")
+        if body.get("best_of") not in (None, 1, body.get("n", 1)):
+            # The engine returns every choice it samples: best_of > n is not served by it.
+            raise _unsupported("best_of", "best_of other than n (the engine returns every "
+                               "sampled choice)")
         if body.get("suffix") is not None:
             raise _unsupported("suffix", "a suffix")
 
@@ -109,7 +104,32 @@ _HANDLED = {
 }
 
 
-def _sampling(body: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
+def _logprobs(body: Mapping[str, Any], endpoint: str) -> int | None:
+    """How many alternatives per token the line asks log probabilities for, in vLLM's terms
+    (None: no log probabilities): chat's `logprobs` flag with `top_logprobs`, completions'
+    `logprobs` count."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if endpoint == COMPLETIONS_ENDPOINT:
+        if top is not None:
+            raise _unsupported("top_logprobs", "top_logprobs on completions (give logprobs "
+                               "as a count)")
+        return None if logprobs is None else logprobs
+    if logprobs not in (None, True, False):
+        raise LineError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+    if not logprobs:
+        if top not in (None, 0):
+            raise LineError("top_logprobs needs logprobs set to true", "top_logprobs")
+        return None
+    if top is None:
+        return 0
+    try:
+        check_sampling_value("logprobs", top, 0, field="top_logprobs")
+    except InvalidJob as error:
+        raise LineError(str(error), error.field) from None
+    return int(top)
+
+
+def _sampling(body: Mapping[str, Any], endpoint: str, limits: JobLimits) -> dict[str, Any]:
     sampling: dict[str, Any] = {"temperature": OPENAI_TEMPERATURE}
     for name in _SAMPLING_KEYS:
         if body.get(name) is not None:
@@ -117,12 +137,17 @@ def _sampling(body: Mapping[str, Any], max_stop_chars: int) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    logprobs = _logprobs(body, endpoint)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     try:
-        return check_sampling(sampling, max_stop_chars)
+        checked = check_sampling(sampling, limits.max_stop_chars,
+                                 priority_scheduling=limits.priority_scheduling)
     except Unsupported as error:
         raise LineError(str(error), error.field, "unsupported_parameter") from None
     except InvalidJob as error:
         raise LineError(str(error), error.field) from None
+    return checked
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
@@ -182,7 +207,7 @@ def _prompt(value: Any) -> str:
 
 
 def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
-                  max_stop_chars: int) -> ChatRequest | CompletionRequest:
+                  limits: JobLimits) -> ChatRequest | CompletionRequest:
     """The request a line's body makes of `endpoint`, or LineError naming the field."""
     model = body.get("model")
     if model is not None and model != served_model:
@@ -192,7 +217,7 @@ def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
     if unknown:
         raise _unsupported(unknown[0], f"the parameter {unknown[0]!r}")
     _refuse_unsupported(body, endpoint)
-    sampling = _sampling(body, max_stop_chars)
+    sampling = _sampling(body, endpoint, limits)
     if endpoint == CHAT_ENDPOINT:
         return ChatRequest(_messages(body.get("messages")), sampling,
                            _max_tokens(body, ("max_completion_tokens", "max_tokens")))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.batchapi.line_requests import CHAT_ENDPOINT
+from jobsvc.choices import Choice
 
 ENDED_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request finished.",
@@ -33,14 +34,33 @@ class Answer:
     created: int
     # The engine's own reason, as recorded; None for results recorded before reasons were.
     recorded_finish_reason: str | None = None
+    # Every choice, when the job asked for several or for log probabilities; else the text
+    # is the one choice.
+    choices: tuple[Choice, ...] = ()
+    # The most likely alternatives per token the request asked log probabilities for (None:
+    # no log probabilities).
+    top_logprobs: int | None = None
 
     @property
     def finish_reason(self) -> str:
-        """The recorded reason; for an older result, `length` when the answer used every
+        """The first choice's reason."""
+        return self._reason(self.recorded_finish_reason, self.completion_tokens)
+
+    @property
+    def every_choice(self) -> tuple[Choice, ...]:
+        """The answer's choices, one at least."""
+        return self.choices or (Choice(self.text, self.recorded_finish_reason,
+                                       self.completion_tokens),)
+
+    def reason(self, choice: Choice) -> str:
+        """Why a choice ended, as recorded; for an older result, `length` when it used every
         token it was allowed, else `stop`."""
-        if self.recorded_finish_reason is not None:
-            return self.recorded_finish_reason
-        return "length" if self.completion_tokens >= self.max_tokens else "stop"
+        return self._reason(choice.finish_reason, choice.completion_tokens)
+
+    def _reason(self, recorded: str | None, tokens: int) -> str:
+        if recorded is not None:
+            return recorded
+        return "length" if tokens >= self.max_tokens else "stop"
 
 
 @dataclass(frozen=True)
@@ -87,23 +107,58 @@ def ended_error(ending: str) -> dict[str, str]:
 
 def response_body(endpoint: str, answer: Answer, model: str) -> dict[str, Any]:
     """The body the endpoint would have answered the request with."""
-    reason = answer.finish_reason
     if endpoint == CHAT_ENDPOINT:
         kind, prefix = "chat.completion", "chatcmpl"
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                          "content": answer.text},
-                                  "finish_reason": reason, "logprobs": None}
+        choices = [{"index": index, "message": {"role": "assistant", "content": choice.text},
+                    "finish_reason": answer.reason(choice),
+                    "logprobs": _chat_logprobs(choice, answer.top_logprobs)}
+                   for index, choice in enumerate(answer.every_choice)]
     else:
         kind, prefix = "text_completion", "cmpl"
-        choice = {"index": 0, "text": answer.text, "finish_reason": reason, "logprobs": None}
+        choices = [{"index": index, "text": choice.text, "finish_reason": answer.reason(choice),
+                    "logprobs": _completion_logprobs(choice, answer.top_logprobs)}
+                   for index, choice in enumerate(answer.every_choice)]
     return {
         "id": f"{prefix}-{answer.job_id}", "object": kind, "created": answer.created,
-        "model": model, "choices": [choice],
+        "model": model, "choices": choices,
         "usage": {"prompt_tokens": answer.prompt_tokens,
                   "completion_tokens": answer.completion_tokens,
                   "total_tokens": answer.prompt_tokens + answer.completion_tokens,
                   "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}},
     }
+
+
+# Choice --> a choice's `logprobs`, as each endpoint shapes them
+def _chat_logprobs(choice: Choice, top: int | None) -> dict[str, Any] | None:
+    """Chat's shape: each token with its bytes and the `top` most likely alternatives."""
+    if top is None or choice.logprobs is None:
+        return None
+    return {"content": [
+        {**_chat_token(step.token, step.logprob),
+         "top_logprobs": [_chat_token(token, logprob) for token, logprob in step.top[:top]]}
+        for step in choice.logprobs]}
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob,
+            "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def _completion_logprobs(choice: Choice, top: int | None) -> dict[str, Any] | None:
+    """Completions' shape: parallel lists of tokens, their log probabilities, each step's
+    most likely tokens with the sampled one among them (up to `top` + 1, as OpenAI's
+    endpoint gives), and where each token starts in the text."""
+    if top is None or choice.logprobs is None:
+        return None
+    offsets, offset = [], 0
+    for step in choice.logprobs:
+        offsets.append(offset)
+        offset += len(step.token)
+    return {"tokens": [step.token for step in choice.logprobs],
+            "token_logprobs": [step.logprob for step in choice.logprobs],
+            "top_logprobs": [{**dict(step.top[:top]), step.token: step.logprob}
+                             for step in choice.logprobs],
+            "text_offset": offsets}
 
 
 def _error_response(outcome: Refused | Failed) -> tuple[int, dict[str, Any]]:

@@ -5,9 +5,9 @@ unit. Pure functions over plain values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jobsvc.routing.prefix import DocumentKeys
 
@@ -19,6 +19,11 @@ DEFAULT_DECODE_COST = 8.0
 # A shard's KV cache in blocks until its worker reports the real size: the order of a 7B
 # model's cache on one 80 GB GPU in 128-token blocks.
 DEFAULT_CAPACITY_BLOCKS = 1024
+
+
+def answer_tokens(sampling: Mapping[str, Any]) -> int:
+    """Most tokens a job's answers may take: `max_tokens` for each of its `n` choices."""
+    return int(sampling.get("max_tokens", 0)) * int(sampling.get("n", 1))
 
 
 def decode_load(max_tokens: int, decode_cost: float) -> int:

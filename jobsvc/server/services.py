@@ -52,7 +52,7 @@ class Services:
         ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
                             ChatTemplate(settings.model),
                             served_model=settings.served_model_name,
-                            max_stop_chars=settings.max_stop_chars)
+                            limits=settings.job_limits)
         fleet_redis = redis.Redis.from_url(settings.redis_url)
         fleet = FleetReader(settings, fleet_redis, store)
         return cls(settings, client, store, FileStore(store.engine), BatchStore(store.engine),

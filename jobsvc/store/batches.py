@@ -20,6 +20,7 @@ from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from jobsvc import compression
+from jobsvc.choices import Choice, stored_choices
 from jobsvc.store.dialect import dialect_of
 from jobsvc.store.paging import page_rows
 from jobsvc.store.records import utcnow
@@ -137,6 +138,10 @@ class OutputRow:
     completion_tokens: int | None
     cached_tokens: int | None
     finish_reason: str | None
+    # The job's sampling as stored (what it asked for: choices, log probabilities).
+    sampling: dict[str, Any]
+    # Every choice of the answer (one, unless the job asked for more); empty without one.
+    choices: tuple[Choice, ...]
 
 
 class BatchStore:
@@ -347,23 +352,26 @@ class BatchStore:
             select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,
                    Job.status, Job.error.label("job_error"), Job.prompt_tokens, Job.sampling,
                    Job.finished_at, Result.answer_zst, Result.completion_tokens,
-                   Result.cached_tokens, Result.finish_reason)
+                   Result.cached_tokens, Result.finish_reason, Result.choices_zst)
             .select_from(BatchLine)
             .outerjoin(Job, Job.id == BatchLine.job_id)
             .outerjoin(Result, Result.job_id == Job.id)
             .where(BatchLine.batch_id == batch_id, BatchLine.line > after_line)
             .order_by(BatchLine.line).limit(limit))
         with self._engine.connect() as connection:
-            return [OutputRow(
-                row.line, row.custom_id, row.job_id, row.error, row.status, row.job_error,
-                row.prompt_tokens, int((row.sampling or {}).get("max_tokens", 0)),
-                row.finished_at, _answer_text(row.answer_zst), row.completion_tokens,
-                row.cached_tokens, row.finish_reason) for row in connection.execute(query)]
+            return [_output_row(row) for row in connection.execute(query)]
 
 
 def _count(condition: Any) -> Any:
     return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
 
 
-def _answer_text(frame: bytes | None) -> str | None:
-    return None if frame is None else compression.decompress(frame).decode()
+def _output_row(row: Any) -> OutputRow:
+    answer = None if row.answer_zst is None else compression.decompress(row.answer_zst).decode()
+    sampling = row.sampling or {}
+    return OutputRow(
+        row.line, row.custom_id, row.job_id, row.error, row.status, row.job_error,
+        row.prompt_tokens, int(sampling.get("max_tokens", 0)), row.finished_at, answer,
+        row.completion_tokens, row.cached_tokens, row.finish_reason, sampling,
+        () if answer is None else stored_choices(answer, row.finish_reason,
+                                                 row.completion_tokens or 0, row.choices_zst))

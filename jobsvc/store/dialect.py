@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
+from jobsvc.choices import encode_choices
 from jobsvc.store.conditions import FINISHED, unfinished
 from jobsvc.store.records import JobOutcome, load_by_shard, utcnow
 from jobsvc.store.tables import Job, Result
@@ -128,13 +129,14 @@ WITH finished AS (
     RETURNING jobs.id, jobs.shard, jobs.load),
 answered AS (
     INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
-                         created_at)
+                         choices_zst, created_at)
     SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, r.finish_reason,
-           :recorded_at
+           r.choices_zst, :recorded_at
     FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
                 CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]),
-                CAST(:finish_reasons AS varchar[]))
-         AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason)
+                CAST(:finish_reasons AS varchar[]), CAST(:choices AS bytea[]))
+         AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
+               choices_zst)
     JOIN finished ON finished.id = r.job_id
     ON CONFLICT DO NOTHING)
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
@@ -218,6 +220,7 @@ class PostgreSQL(Dialect):
             "completion_tokens": [o.completion_tokens for o in succeeded],
             "cached_tokens": [o.cached_tokens for o in succeeded],
             "finish_reasons": [o.finish_reason for o in succeeded],
+            "choices": [_choices_frame(o) for o in succeeded],
         }))
 
 
@@ -272,7 +275,8 @@ class SQLite(Dialect):
             connection.execute(self.insert_ignoring_duplicates(Result.__table__), [
                 {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
                  "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
-                 "finish_reason": o.finish_reason, "created_at": recorded_at}
+                 "finish_reason": o.finish_reason, "choices_zst": _choices_frame(o),
+                 "created_at": recorded_at}
                 for o in succeeded])
         connection.execute(
             update(job).where(job.c.id == bindparam("b_id")).values(
@@ -281,3 +285,9 @@ class SQLite(Dialect):
             [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
               "b_status": o.status.value} for o in outcomes])
         return load_by_shard(active[o.job_id] for o in outcomes)
+
+
+def _choices_frame(outcome: JobOutcome) -> bytes | None:
+    """What a result stores of its choices: a frame only for a job that asked for more than
+    one answer's text."""
+    return encode_choices(outcome.choices) if outcome.choices else None

@@ -4,11 +4,13 @@ with their answers, statuses, how many are unfinished) and the cancels they make
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
 from jobsvc import compression
+from jobsvc.choices import stored_choices
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.store.conditions import unfinished
@@ -64,20 +66,14 @@ class Reading(Database):
         query = (
             select(Job.id, Job.status, Job.error, Job.shard, Job.prompt_tokens, Job.submitted_at,
                    Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
-                   Result.cached_tokens, Result.created_at)
+                   Result.cached_tokens, Result.created_at, Result.finish_reason,
+                   Result.choices_zst)
             .outerjoin(Result, Result.job_id == Job.id)
             .where(self._sql.among(Job.id, job_ids))
         )
         with self._reads.connect() as connection:
             rows = connection.execute(query).all()
-        return {row.id: JobRecord(
-            job_id=row.id, status=JobStatus(row.status),
-            answer=(compression.decompress(row.answer_zst).decode()
-                    if row.answer_zst is not None else None),
-            error=row.error, shard=row.shard, prompt_tokens=row.prompt_tokens,
-            completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-            submitted_at=row.submitted_at, started_at=row.started_at,
-            finished_at=row.finished_at, recorded_at=row.created_at) for row in rows}
+        return {row.id: _record(row) for row in rows}
 
     def statuses(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
         """Just the statuses, for polling without fetching answers."""
@@ -98,3 +94,16 @@ class Reading(Database):
         with self._reads.connect() as connection:
             return connection.execute(self._count_unfinished,
                                       {"job_ids": list(job_ids)}).scalar_one()
+
+
+def _record(row: Any) -> JobRecord:
+    answer = (None if row.answer_zst is None
+              else compression.decompress(row.answer_zst).decode())
+    return JobRecord(
+        job_id=row.id, status=JobStatus(row.status), answer=answer, error=row.error,
+        shard=row.shard, prompt_tokens=row.prompt_tokens,
+        completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
+        submitted_at=row.submitted_at, started_at=row.started_at, finished_at=row.finished_at,
+        recorded_at=row.created_at,
+        choices=() if answer is None else stored_choices(
+            answer, row.finish_reason, row.completion_tokens, row.choices_zst))

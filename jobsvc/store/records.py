@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from jobsvc.choices import Choice
 from jobsvc.routing.job_cost import loads_per_shard
 from jobsvc.wire import JobStatus
 
@@ -94,6 +95,9 @@ class JobRecord:
     # When the answer was written: `finished_at` is the engine's end of the job, and the
     # worker records results a little later, gathered into few transactions.
     recorded_at: datetime | None = None
+    # Every answer of a succeeded job, each with its log probabilities if the job asked for
+    # them: one choice unless the job asked for several (`n`); empty until it succeeds.
+    choices: tuple[Choice, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -144,7 +148,8 @@ class MovableJob:
     # The document's tokens; its text where no tokens were kept; None where neither reads back.
     document: tuple[int, ...] | str | None
     prompt_tokens: int
-    max_tokens: int
+    # Most tokens its answers may take (`job_cost.answer_tokens`).
+    answer_tokens: int
     # What its current shard was charged for it.
     load: int
 
@@ -160,6 +165,8 @@ class JobOutcome:
     cached_tokens: int
     finished_at: datetime
     finish_reason: str | None = None
+    # Every choice, when the job asked for several or for log probabilities (else none).
+    choices: tuple[Choice, ...] = ()
 
     @property
     def status(self) -> JobStatus:

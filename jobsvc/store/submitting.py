@@ -12,7 +12,7 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.engine import Connection
 
 from jobsvc import compression
-from jobsvc.routing.job_cost import Route
+from jobsvc.routing.job_cost import Route, answer_tokens
 from jobsvc.store.conditions import sent_before, unclaimed
 from jobsvc.store.database import Database
 from jobsvc.store.records import MovableJob, NewDocument, NewJob, utcnow
@@ -113,7 +113,7 @@ class Submitting(Database):
             rows = connection.execute(query.order_by(Job.submitted_at).limit(limit)).all()
             documents = self._documents(connection, {row.document_key for row in rows})
         return [MovableJob(row.id, row.document_key, documents.get(row.document_key),
-                           row.prompt_tokens, int(row.sampling.get("max_tokens", 0)), row.load)
+                           row.prompt_tokens, answer_tokens(row.sampling), row.load)
                 for row in rows]
 
     def move_jobs(self, shard: int, messages: Sequence[QueueMessage],

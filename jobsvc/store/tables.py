@@ -89,6 +89,9 @@ class Result(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # Why the engine ended the answer: `stop` (end of sequence or a stop string) or `length`.
     finish_reason: Mapped[str | None] = mapped_column(String(16))
+    # Every choice with its log probabilities (jobsvc.choices), for a job that asked for
+    # several choices or for log probabilities; `answer_zst` holds the first choice's text.
+    choices_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class BatchStat(Base):

@@ -246,7 +246,7 @@ def test_a_line_submitted_again_gets_the_job_it_made_the_first_time(
     with Client(settings=routing_settings) as client:
         ingestor = Ingestor(client, PromptBuilder(routing_settings.model),
                             ChatTemplate(routing_settings.model), served_model="jobsvc",
-                            max_stop_chars=100)
+                            limits=routing_settings.job_limits)
         lines = [RequestLine(number, f"c{number}", {"messages": [
             {"role": "user", "content": f"Question {number}"}], "max_tokens": 3})
             for number in range(1, 6)]
@@ -290,7 +290,7 @@ def test_run_batch_writes_every_request_in_order_as_vllm_run_batch_does(
     lines = document_lines(rng, 1, 3, lambda text, q: {
         "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "system", "content": text}, {"role": "user", "content": q}]})
-    lines.insert(1, line("bad", {"messages": [{"role": "user", "content": "x"}], "n": 3}))
+    lines.insert(1, line("bad", {"messages": [{"role": "user", "content": "x"}], "n": 0}))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl(lines))
     progress = io.StringIO()

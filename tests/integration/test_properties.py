@@ -21,7 +21,7 @@ from jobsvc.validation import SAMPLING_KEYS, JobLimits, validate_job
 pytestmark = pytest.mark.integration
 
 LIMITS = JobLimits(max_document_chars=5000, max_question_chars=500, max_stop_chars=1000,
-                   max_job_bytes=1 << 20)
+                   max_job_bytes=1 << 20, priority_scheduling=False)
 
 anything = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),

@@ -102,7 +102,7 @@ def test_min_tokens_over_max_tokens_is_refused_alike_by_submit_and_by_a_batch_li
                                  "max_tokens": 8, "min_tokens": 9}])
         ingestor = Ingestor(client, PromptBuilder(routing_settings.model),
                             ChatTemplate(routing_settings.model), served_model="jobsvc",
-                            max_stop_chars=100)
+                            limits=routing_settings.job_limits)
         (line,) = ingestor.ingest(f"batch_{uuid.uuid4().hex}", endpoint,
                                   [RequestLine(1, "min-over-max", body)])
         assert _trace(store, routing_settings.redis_url) == before

@@ -32,10 +32,15 @@ from jobsvc.batchapi.output_lines import (
     response_body,
     vllm_line,
 )
+from jobsvc.choices import stored_choices
 from jobsvc.settings import TINY_MODEL
 from jobsvc.store.batches import OutputRow
+from jobsvc.validation import JobLimits
 
 pytestmark = pytest.mark.unit
+
+LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=100,
+                   max_job_bytes=1 << 20, priority_scheduling=False)
 
 
 def request(custom_id: str, body: dict[str, object], url: str = CHAT_ENDPOINT) -> bytes:
@@ -77,11 +82,19 @@ def test_a_file_of_more_than_the_limit_of_requests_fails_and_an_empty_one_too() 
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"messages": [{"role": "user", "content": "q"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "q"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "q"}], "n": 129}, "n"),
     ({"messages": [{"role": "user", "content": "q"}], "stream": True}, "stream"),
     ({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]},
      "tools"),
-    ({"messages": [{"role": "user", "content": "q"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "q"}], "logprobs": 3}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "q"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "q"}], "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "q"}], "logit_bias": {"7": 101}},
+     "logit_bias[7]"),
+    ({"messages": [{"role": "user", "content": "q"}], "priority": 1}, "priority"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "q"}], "temperature": 2.5}, "temperature"),
@@ -95,7 +108,7 @@ def test_a_file_of_more_than_the_limit_of_requests_fails_and_an_empty_one_too() 
 def test_a_chat_line_asking_for_what_is_not_served_fails_naming_the_field(
         body: dict[str, object], param: str) -> None:
     with pytest.raises(LineError) as refused:
-        parse_request(CHAT_ENDPOINT, body, served_model="jobsvc", max_stop_chars=100)
+        parse_request(CHAT_ENDPOINT, body, served_model="jobsvc", limits=LIMITS)
     assert refused.value.param == param
     assert refused.value.to_api()["type"] == "invalid_request_error"
 
@@ -108,7 +121,7 @@ def test_sampling_maps_from_both_endpoints_with_openai_defaults() -> None:
                                             {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "max_tokens": 99, "top_p": 0.5, "seed": 3, "stop": "END",
         "presence_penalty": 0.1, "top_k": 5, "repetition_penalty": 1.1},
-        served_model="jobsvc", max_stop_chars=100)
+        served_model="jobsvc", limits=LIMITS)
     assert isinstance(chat, ChatRequest)
     assert chat.max_tokens == 7
     assert chat.messages == [{"role": "system", "content": "be brief"},
@@ -116,16 +129,16 @@ def test_sampling_maps_from_both_endpoints_with_openai_defaults() -> None:
     assert chat.sampling == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": ["END"],
                              "presence_penalty": 0.1, "top_k": 5, "repetition_penalty": 1.1}
     unlimited = parse_request(CHAT_ENDPOINT, {"messages": [{"role": "user", "content": "q"}]},
-                              served_model="jobsvc", max_stop_chars=100)
+                              served_model="jobsvc", limits=LIMITS)
     assert unlimited.max_tokens is None
     completion = parse_request(COMPLETIONS_ENDPOINT, {"prompt": ["text"], "temperature": 0},
-                               served_model="jobsvc", max_stop_chars=100)
+                               served_model="jobsvc", limits=LIMITS)
     assert isinstance(completion, CompletionRequest)
     assert (completion.prompt, completion.max_tokens, completion.sampling) == (
         "text", 16, {"temperature": 0})
     with pytest.raises(LineError) as refused:
         parse_request(COMPLETIONS_ENDPOINT, {"prompt": "x", "echo": True},
-                      served_model="jobsvc", max_stop_chars=100)
+                      served_model="jobsvc", limits=LIMITS)
     assert refused.value.param == "echo"
 
 
@@ -134,11 +147,11 @@ def test_a_lines_structured_output_becomes_its_jobs_constraint_or_a_named_refusa
     chat = parse_request(CHAT_ENDPOINT, {
         "messages": [{"role": "user", "content": "q"}], "response_format": {
             "type": "json_schema", "json_schema": {"name": "label", "schema": schema}}},
-        served_model="jobsvc", max_stop_chars=100)
+        served_model="jobsvc", limits=LIMITS)
     assert chat.sampling["structured_outputs"] == {"json": schema}
     completion = parse_request(COMPLETIONS_ENDPOINT, {
         "prompt": "q", "structured_outputs": {"choice": ["a", "b"]}},
-        served_model="jobsvc", max_stop_chars=100)
+        served_model="jobsvc", limits=LIMITS)
     assert completion.sampling["structured_outputs"] == {"choice": ["a", "b"]}
     for body, param, code in [
             ({"response_format": {"type": "structural_tag"}}, "response_format.type",
@@ -146,7 +159,7 @@ def test_a_lines_structured_output_becomes_its_jobs_constraint_or_a_named_refusa
             ({"structured_outputs": {"regex": "("}}, "structured_outputs", "invalid_value")]:
         with pytest.raises(LineError) as refused:
             parse_request(CHAT_ENDPOINT, {"messages": [{"role": "user", "content": "q"}],
-                                          **body}, served_model="jobsvc", max_stop_chars=100)
+                                          **body}, served_model="jobsvc", limits=LIMITS)
         assert (refused.value.param, refused.value.code) == (param, code)
 
 
@@ -211,7 +224,9 @@ def _row(line: int, custom_id: str, job_id: str | None = None, *, status: str | 
     return OutputRow(line, custom_id, job_id, error, status, job_error,
                      12 if job_id else None, 5 if job_id else 0,
                      _FINISHED_AT if ran else None, answer, completion_tokens,
-                     8 if answer is not None else None, finish_reason)
+                     8 if answer is not None else None, finish_reason, {"max_tokens": 5},
+                     () if answer is None else stored_choices(answer, finish_reason,
+                                                              completion_tokens or 0, None))
 
 
 def _usage(completion_tokens: int) -> dict[str, Any]:

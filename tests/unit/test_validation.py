@@ -24,7 +24,7 @@ from jobsvc.validation import (
 pytestmark = pytest.mark.unit
 
 LIMITS = JobLimits(max_document_chars=1000, max_question_chars=100, max_stop_chars=10,
-                   max_job_bytes=1024)
+                   max_job_bytes=1024, priority_scheduling=False)
 
 
 def job(document: Any = "doc", question: Any = "q", **fields: Any) -> dict[str, Any]:
@@ -117,10 +117,10 @@ def test_an_idempotency_key_is_kept_apart_from_the_sampling() -> None:
 
 
 def test_sampling_alone_is_checked_as_a_jobs_is() -> None:
-    assert check_sampling({"temperature": 1.0, "stop": ("a",)}, 10) == {
+    assert check_sampling({"temperature": 1.0, "stop": ("a",)}, 10, priority_scheduling=False) == {
         "temperature": 1.0, "stop": ["a"]}
     with pytest.raises(InvalidJob, match="top_p") as refused:
-        check_sampling({"top_p": 0}, 10)
+        check_sampling({"top_p": 0}, 10, priority_scheduling=False)
     assert refused.value.field == "top_p"
 
 
@@ -131,25 +131,25 @@ def test_a_value_is_refused_under_the_name_its_caller_gave_it() -> None:
 
 
 def test_a_prompt_and_its_answer_must_fit_the_context_naming_what_to_shrink() -> None:
-    check_prompt(90, {"max_tokens": 10}, 100, prompt_field="messages")
+    check_prompt(90, {"max_tokens": 10}, 100, 1000, prompt_field="messages")
     with pytest.raises(ContextExceeded, match="shorten the messages or lower max_tokens") as long:
-        check_prompt(90, {"max_tokens": 11}, 100, prompt_field="messages")
+        check_prompt(90, {"max_tokens": 11}, 100, 1000, prompt_field="messages")
     assert long.value.field == "max_tokens"
     with pytest.raises(ContextExceeded) as longer:
-        check_prompt(100, {"max_tokens": 0}, 100, prompt_field="prompt")
+        check_prompt(100, {"max_tokens": 0}, 100, 1000, prompt_field="prompt")
     assert longer.value.field == "prompt"
 
 
 def test_a_prompt_of_a_single_token_is_refused_naming_its_field() -> None:
     with pytest.raises(InvalidJob, match="document is too short") as short:
-        check_prompt(1, {"max_tokens": 4}, 100, prompt_field="document")
+        check_prompt(1, {"max_tokens": 4}, 100, 1000, prompt_field="document")
     assert short.value.field == "document" and not isinstance(short.value, ContextExceeded)
 
 
 def test_min_tokens_is_checked_against_the_max_tokens_the_prompt_leaves() -> None:
-    check_prompt(90, {"max_tokens": 10, "min_tokens": 10}, 100, prompt_field="messages")
+    check_prompt(90, {"max_tokens": 10, "min_tokens": 10}, 100, 1000, prompt_field="messages")
     with pytest.raises(InvalidJob, match="min_tokens must not exceed max_tokens") as refused:
-        check_prompt(90, {"max_tokens": 10, "min_tokens": 11}, 100, prompt_field="messages")
+        check_prompt(90, {"max_tokens": 10, "min_tokens": 11}, 100, 1000, prompt_field="messages")
     assert refused.value.field == "min_tokens"
 
 

@@ -102,7 +102,7 @@ def main() -> None:
     options = BenchOptions(workload="reuse")
 
     def jobs_of(trial: int) -> list[Job]:
-        return [as_job(job) for job in bench_jobs(options, trial)]
+        return [as_job(job, settings.job_limits) for job in bench_jobs(options, trial)]
 
     try:
         run_burst(engines, jobs_of(0), args.mode, None, 0.0, 0)  # warm-up

@@ -17,7 +17,21 @@ from jobsvc.settings import Settings
 from jobsvc.workloads import document_questions, read_jsonl_jobs, uneven_jobs
 
 # Documents and questions per document of the even workloads.
-NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4)}
+NAMED_WORKLOADS = {"unique": (64, 1), "reuse": (64, 4), "structured": (64, 4)}
+# `structured`: the `reuse` jobs (each trial's documents and questions the same), each asking
+# for an answer that fits STRUCTURED_SCHEMA, given as OpenAI's `response_format`. Its values are
+# enumerated, so that sampling at temperature 1 closes the object well within
+# STRUCTURED_MAX_TOKENS even with random weights (a free string, or greedy decoding, runs on to
+# the cap); a seed per job has both arms of a pair sample the same answers. `--output-tokens`
+# does not apply: the schema, not a count, ends each answer.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"label": {"enum": ["supported", "contradicted", "unmentioned"]},
+                   "grade": {"enum": [1, 2, 3]}},
+    "required": ["label", "grade"],
+    "additionalProperties": False,
+}
+STRUCTURED_MAX_TOKENS = 128
 # `zipf`: as many jobs as `reuse` on as many documents, asked with Zipf popularity (the most
 # asked document draws a fifth of the jobs, most are asked once or twice).
 ZIPF_JOBS, ZIPF_DOCUMENTS = 256, 64
@@ -123,4 +137,21 @@ def bench_jobs(options: BenchOptions, trial: int) -> list[dict[str, Any]]:
                                 seed=1000 + trial)
     else:
         return [{**fixed, **job} for job in read_jsonl_jobs(Path(options.workload))]
+    if options.workload == "structured":
+        return [{"document": job.document, "question": job.question, **structured_sampling(seed)}
+                for seed, job in enumerate(generated)]
     return [{"document": job.document, "question": job.question, **fixed} for job in generated]
+
+
+def output_tokens(options: BenchOptions) -> int | None:
+    """How long each answer of a named workload is: `--output-tokens` (end of sequence
+    ignored), or None where a schema ends each answer."""
+    return None if options.workload == "structured" else options.output_tokens
+
+
+def structured_sampling(seed: int) -> dict[str, Any]:
+    """A `structured` job's sampling as a producer gives it to `Client.submit_many`."""
+    return {"max_tokens": STRUCTURED_MAX_TOKENS, "temperature": 1.0, "seed": seed,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "verdict", "schema": STRUCTURED_SCHEMA,
+                                                "strict": True}}}

@@ -18,7 +18,7 @@ from jobsvc.bench.measure import (
     percentile,
     summarize_pairs,
 )
-from jobsvc.bench.options import BenchOptions, arm_names
+from jobsvc.bench.options import BenchOptions, arm_names, output_tokens
 from jobsvc.settings import Settings
 
 
@@ -90,7 +90,7 @@ def run_report(settings: Settings, options: BenchOptions, totals: Totals,
         "arms": "/".join(arm_names(options)),
         "trials": len(pairs),
         "jobs_per_trial": pairs[0].service.jobs,
-        "output_tokens": options.output_tokens,
+        "output_tokens": output_tokens(options),
         "fresh_engines_per_pair": options.fresh_engines,
         "admission_chunk": settings.admission_chunk,
         "admission_pause_ms": settings.admission_pause_ms,
@@ -165,6 +165,8 @@ def _pair_figures(pair: Pair) -> dict[str, Any]:
         "shard_ratio": pair.shard_ratio,
         "standalone_rps": pair.standalone.requests_per_second,
         "service_rps": pair.service.requests_per_second,
+        "standalone_output_tokens": pair.standalone.output_tokens,
+        "service_output_tokens": pair.service.output_tokens,
         "standalone_tokens_per_s": pair.standalone.tokens_per_second,
         "service_tokens_per_s": pair.service.tokens_per_second,
         "standalone_cpu_s_per_job": pair.standalone.cpu_seconds_per_job,

@@ -347,8 +347,9 @@ class Bench:
             raise RuntimeError("the standalone engines are not running")
         per_engine: list[list[tuple[str, str, dict[str, Any]]]] = [
             [] for _ in range(self.settings.shards)]
+        limits = self.settings.job_limits
         for job, shard in zip(jobs, shape.shard_of_job, strict=True):
-            per_engine[shard].append(as_job(job))
+            per_engine[shard].append(as_job(job, limits))
         on_workers = engines is None
         if on_workers:
             self.ask_workers("take_gc_pauses", timeout=5)

@@ -13,15 +13,22 @@ import gc
 import itertools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
+from jobsvc.validation import JobLimits, validate_job
 from jobsvc.workers.bootstrap import bind_device, kept_to_device
 from jobsvc.workers.collector import CollectionWindow
-from jobsvc.workers.engine import EngineAdapter, Pacing, engine_args, gather_paced
+from jobsvc.workers.engine import (
+    EngineAdapter,
+    Pacing,
+    engine_args,
+    gather_paced,
+    sampling_params,
+)
 
 # "all": every request at once; "staggered": paced as the service's workers pace a batch
 # where they pace it (`jobsvc.workers.engine.Pacing`, from JOBSVC_ADMISSION_CHUNK and
@@ -38,14 +45,32 @@ ADMISSION_MODES = ("all", "staggered")
 STAGGERED_PACING = Pacing(32, 0.015)
 
 
-Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings)
+Job = tuple[str, str, dict[str, Any]]  # (document, question, sampling settings as stored)
 
 
-def as_job(job: Mapping[str, Any]) -> Job:
-    """A bench job (`document`, `question` and its sampling keys) as the standalone arm
-    takes it."""
-    sampling = {key: value for key, value in job.items() if key not in ("document", "question")}
-    return job["document"], job["question"], sampling
+def as_job(job: Mapping[str, Any], limits: JobLimits) -> Job:
+    """A bench job (`document`, `question` and its sampling keys, as `Client.submit_many`
+    takes it) as the standalone arm takes it: checked by the producer's own `validate_job`, so
+    that its sampling is what the service stores (defaults filled in, a `response_format`
+    become the `structured_outputs` constraint it asks for)."""
+    request = validate_job(job, limits)
+    return request.document, request.question, request.sampling
+
+
+def engine_sampling(samplings: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's SamplingParams for each distinct stored sampling, by its JSON: made by the
+    service workers' own `sampling_params`, so that both arms hand the engine the same
+    parameters and constraints."""
+    params: dict[str, Any] = {}
+    for sampling in samplings:
+        key = _sampling_key(sampling)
+        if key not in params:
+            params[key] = sampling_params(sampling)
+    return params
+
+
+def _sampling_key(sampling: dict[str, Any]) -> str:
+    return json.dumps(sampling, sort_keys=True)
 
 
 # A job's tokens as the engine takes them: (document, question, sampling settings).
@@ -180,20 +205,13 @@ def _grouped(jobs: Sequence[Job]) -> list[Job]:
 async def _burst(engine: Any, prompts: Sequence[Prompt], pacing: Pacing, tag: str
                  ) -> tuple[list[Any], float]:
     """The final outputs of one engine's share of a burst, and when its last one returned."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    params: dict[str, Any] = {}
-    for _, _, sampling in prompts:
-        key = json.dumps(sampling, sort_keys=True)
-        if key not in params:
-            params[key] = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = engine_sampling(sampling for _, _, sampling in prompts)
 
     async def one(index: int, document: tuple[int, ...], question: tuple[int, ...],
                   sampling: dict[str, Any]) -> Any:
         final = None
         async for output in engine.generate({"prompt_token_ids": document + question},
-                                            params[json.dumps(sampling, sort_keys=True)],
+                                            params[_sampling_key(sampling)],
                                             f"{tag}-{index}"):
             final = output
         return final

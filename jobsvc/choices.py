@@ -1,8 +1,9 @@
 """What an answer holds beyond its text, for a job that asks for it: several choices (`n`) and
-the log probability of each generated token with the most likely alternatives. The worker
-stores it as one compressed JSON frame beside the answer's text (which stays the first
-choice's), and the renderer and the Python API read it back as typed values. A job that asks
-for neither stores nothing more than its text.
+the log probability of each generated token with the most likely alternatives; and, for an
+answer a stop string (or stop token) ended, which one did. The worker stores it as one
+compressed JSON frame beside the answer's text (which stays the first choice's), and the
+renderer and the Python API read it back as typed values. Any other answer stores nothing more
+than its text.
 Pure: typed values in, bytes out, and back."""
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Choice:
     finish_reason: str | None
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # The stop string, or the stop token's ID, that ended the answer (the engine's own
+    # `stop_reason`); None when something else did (its end-of-text token, its limit).
+    stop_reason: str | int | None = None
 
 
 def finite(logprob: float) -> float:
@@ -63,13 +67,15 @@ def decode_choices(frame: bytes) -> tuple[Choice, ...]:
     return tuple(Choice(item["text"], item["finish_reason"], item["tokens"],
                         None if item["logprobs"] is None else tuple(
                             TokenLogprob(token, logprob, tuple((alt, lp) for alt, lp in top))
-                            for token, logprob, top in item["logprobs"]))
+                            for token, logprob, top in item["logprobs"]),
+                        item["stop_reason"])
                  for item in data["choices"])
 
 
 def stored_choices(text: str, finish_reason: str | None, completion_tokens: int,
                    frame: bytes | None) -> tuple[Choice, ...]:
-    """A stored answer's choices: those of its frame, else the one its text makes."""
+    """A stored answer's choices: those of its frame, else the one its text makes, with no stop
+    reason (an answer recorded with one has a frame)."""
     if frame is not None:
         return decode_choices(frame)
     return (Choice(text, finish_reason, completion_tokens),)
@@ -77,7 +83,7 @@ def stored_choices(text: str, finish_reason: str | None, completion_tokens: int,
 
 def _choice_json(choice: Choice) -> dict[str, Any]:
     return {"text": choice.text, "finish_reason": choice.finish_reason,
-            "tokens": choice.completion_tokens,
+            "tokens": choice.completion_tokens, "stop_reason": choice.stop_reason,
             "logprobs": None if choice.logprobs is None else [
                 [step.token, finite(step.logprob), [[alt, finite(lp)] for alt, lp in step.top]]
                 for step in choice.logprobs]}

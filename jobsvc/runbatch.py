@@ -90,7 +90,7 @@ def run_batch(settings: Settings, input_path: Path, output_path: Path,
         if batch.status == "failed":
             listed = "; ".join(error["message"] for error in batch.errors or [])
             raise BatchFileError(f"{input_path} is not a valid batch file: {listed}")
-        _write_output(services.batches, batch, settings.served_model_name, output_path)
+        _write_output(services.batches, batch, settings, output_path)
         return batch
     finally:
         services.close()
@@ -108,11 +108,12 @@ def _drive(driver: BatchDriver, batches: BatchStore, batch: BatchRecord,
         time.sleep(_ROUND_SECONDS)
 
 
-def _write_output(batches: BatchStore, batch: BatchRecord, model: str,
+def _write_output(batches: BatchStore, batch: BatchRecord, settings: Settings,
                   output_path: Path) -> None:
     ending = batch.status
     with output_path.open("wb") as output:
         for rows in batches.output_pages(batch.id):
             for row in rows:
-                line = file_line(batch.id, ending, row)[1]
-                output.write(jsonl(vllm_line(line, endpoint=batch.endpoint, model=model)))
+                line = file_line(batch.id, ending, row, tokenizer_model=settings.model)[1]
+                output.write(jsonl(vllm_line(line, endpoint=batch.endpoint,
+                                             model=settings.served_model_name)))

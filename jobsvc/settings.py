@@ -123,12 +123,17 @@ class Settings:
     # Seconds a server's claim on driving a batch lasts unless renewed (it renews every
     # second): after a crash, another server takes the batch over this long later.
     batch_lease_seconds: int = 30
+    # vLLM's tool-call parser (its names, e.g. `hermes`) that finds the calls in the answer
+    # of a chat line with tools and `tool_choice` auto; empty: such answers are text. Named
+    # and required tool choices need none.
+    tool_call_parser: str = ""
 
     @property
     def job_limits(self) -> JobLimits:
         """What a job may hold and ask for, as every producer checks it."""
         return JobLimits(self.max_document_chars, self.max_question_chars, self.max_stop_chars,
-                         self.max_job_bytes, self.scheduling_policy == "priority")
+                         self.max_job_bytes, self.scheduling_policy == "priority",
+                         self.tool_call_parser or None)
 
     @property
     def resolved_database_url(self) -> str:
@@ -209,6 +214,21 @@ class Settings:
         if not 0 <= self.metrics_port <= 65535 - self.shards:
             raise ConfigurationError("JOBSVC_METRICS_PORT must be 0 (no worker metrics) or a "
                                      "port that leaves room for one port per shard above it")
+        if self.tool_call_parser:
+            _check_tool_call_parser(self.tool_call_parser)
+
+
+def _check_tool_call_parser(name: str) -> None:
+    """Refuse a tool-call parser vLLM does not have, before any line is read with it."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        raise ConfigurationError("JOBSVC_TOOL_CALL_PARSER needs vllm installed (its parsers "
+                                 "find the tool calls)") from None
+    names = ToolParserManager.list_registered()
+    if name not in names:
+        raise ConfigurationError(f"JOBSVC_TOOL_CALL_PARSER={name!r} is not one of vLLM's "
+                                 f"tool-call parsers: {', '.join(names)}")
 
 
 def masked_url(url: str) -> str:

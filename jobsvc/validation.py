@@ -443,6 +443,9 @@ class JobLimits:
     max_job_bytes: int
     # Whether the engine schedules by a job's `priority` (JOBSVC_SCHEDULING_POLICY).
     priority_scheduling: bool
+    # vLLM's parser that finds tool calls in a chat line's `auto` answer
+    # (JOBSVC_TOOL_CALL_PARSER); None: such answers are text.
+    tool_call_parser: str | None = None
 
 
 def validate_job(job: Any, limits: JobLimits) -> JobRequest:

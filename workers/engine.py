@@ -60,8 +60,9 @@ class EngineResult:
     finished_at: float
     # The engine's reason for ending the answer (`stop`, `length`); None without one.
     finish_reason: str | None = None
-    # Every choice with its log probabilities, for a job that asked for several or for log
-    # probabilities (else none: `text` is the whole answer).
+    # Every choice with its log probabilities and stop reason, for a job that asked for several
+    # or for log probabilities, or whose answer a stop string or token ended (else none: `text`
+    # is the whole answer).
     choices: tuple[Choice, ...] = ()
 
 
@@ -290,8 +291,10 @@ class EngineAdapter:
             on_result(_no_output(request.job_id, prompt_tokens, "aborted in the engine"))
             return
         first = completions[0]
-        choices = (tuple(_choice(completion, params.logprobs) for completion in completions)
-                   if len(completions) > 1 or params.logprobs is not None else ())
+        choices = tuple(_choice(completion, params.logprobs) for completion in completions)
+        if len(choices) == 1 and params.logprobs is None and choices[0].stop_reason is None:
+            # The text alone says it all: no frame to store.
+            choices = ()
         on_result(EngineResult(request.job_id, first.text, None, prompt_tokens,
                                sum(len(c.token_ids) for c in completions),
                                final.num_cached_tokens or 0, time.time(), first.finish_reason,
@@ -299,16 +302,16 @@ class EngineAdapter:
 
 
 def _choice(completion: Any, top: int | None) -> Choice:
-    """One of the engine's answers as a job's choice, with its log probabilities if the job
-    asked for them: the engine gives, at each step, the sampled token and the `top` most
-    likely, each with its rank."""
+    """One of the engine's answers as a job's choice, with the stop string or token that ended
+    it, and its log probabilities if the job asked for them: the engine gives, at each step,
+    the sampled token and the `top` most likely, each with its rank."""
     logprobs = None
     if top is not None and completion.logprobs is not None:
         logprobs = tuple(_token_logprob(token_id, step, top)
                          for token_id, step in zip(completion.token_ids, completion.logprobs,
                                                    strict=True))
     return Choice(completion.text, completion.finish_reason, len(completion.token_ids),
-                  logprobs)
+                  logprobs, completion.stop_reason)
 
 
 def _token_logprob(token_id: int, step: dict[int, Any], top: int) -> TokenLogprob:

@@ -10,6 +10,7 @@ earlier user message all put the document in the prefix. The cut depends on the 
 alone, so requests on one document agree on it wherever they sit in the file. A request that
 breaks a paragraph inside its question gets a prefix of its own: it still runs, and the
 engine's cache still finds the document's blocks, only it is stored and routed alone.
+The tools a chat request offers are the template's to render, as vLLM gives them to it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class ChatTemplate:
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                     extensions=[loopcontrols])
+        # Templates write tools and call arguments with `tojson` as transformers defines it:
+        # keys in their order and text unescaped (jinja's own sorts keys and escapes HTML).
+        environment.filters["tojson"] = _tojson
         tokens = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
         return environment.from_string(source), tokens
 
@@ -82,23 +86,27 @@ class ChatTemplate:
             config = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         return template, config
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn opened."""
+    def render(self, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn opened; the
+        `tools` the model may call are the template's to show (None: none)."""
         if self._template is None:
             raise LineError(f"the served model ({self._model}) has no chat template; use the "
                             "/v1/completions endpoint", "messages", "unsupported_value")
         template, tokens = self._template
         try:
-            return template.render(messages=messages, add_generation_prompt=True, **tokens)
+            return template.render(messages=messages, tools=tools, add_generation_prompt=True,
+                                   **tokens)
         except Exception as error:
             raise LineError(f"the model's chat template refused the messages: {error}",
                             "messages") from None
 
-    def split(self, messages: list[dict[str, str]]) -> SplitPrompt:
+    def split(self, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None = None) -> SplitPrompt:
         """The rendered conversation, cut as the module says."""
-        full = self.render(messages)
+        full = self.render(messages, tools)
         last = messages[-1]["content"]
-        marked = self.render([*messages[:-1], {**messages[-1], "content": _MARK}])
+        marked = self.render([*messages[:-1], {**messages[-1], "content": _MARK}], tools)
         before, found, after = marked.partition(_MARK)
         if not found or not full.startswith(before):
             return SplitPrompt("", full)
@@ -106,6 +114,12 @@ class ChatTemplate:
         if full == before + last + after:
             cut += max(last.rfind(PARAGRAPH_BREAK), 0)
         return SplitPrompt(full[:cut], full[cut:])
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _token_text(token: Any) -> str:

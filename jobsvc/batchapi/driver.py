@@ -20,6 +20,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 
 from sqlalchemy.engine import Connection, Engine
@@ -47,6 +48,7 @@ from jobsvc.batchapi.output_lines import (
     jsonl,
     openai_line,
 )
+from jobsvc.batchapi.tool_calls import ToolPlan, parser_tokenizer, plan_of, tool_answer
 from jobsvc.client import Client
 from jobsvc.errors import BROKER_ERRORS, BrokerUnavailable, StorageUnavailable
 from jobsvc.settings import Settings
@@ -287,7 +289,8 @@ class BatchDriver:
         model = self._settings.served_model_name
         for rows in self._batches.output_pages(batch.id):
             for row in rows:
-                kind, line = file_line(batch.id, ending, row)
+                kind, line = file_line(batch.id, ending, row,
+                                       tokenizer_model=self._settings.model)
                 files[kind].write(jsonl(openai_line(line, endpoint=batch.endpoint,
                                                     model=model)))
             # A lease renewed on its own connection: this transaction has not touched the
@@ -296,10 +299,14 @@ class BatchDriver:
         return files["output"].close(), files["error"].close()
 
 
-def file_line(batch_id: str, ending: str, row: OutputRow) -> tuple[str, FinishedLine]:
+def file_line(batch_id: str, ending: str, row: OutputRow, *,
+              tokenizer_model: str) -> tuple[str, FinishedLine]:
     """Which file a line goes to ("output" or "error"), and what came of its request, for
-    `output_lines` to shape."""
+    `output_lines` to shape. `tokenizer_model` is the served model (JOBSVC_MODEL), whose
+    tokenizer a tool-call parser reads."""
     outcome = _outcome(ending, row)
+    if isinstance(outcome, Answer) and row.tool_plan is not None:
+        outcome = _read_tool_calls(outcome, plan_of(row.tool_plan), tokenizer_model)
     line = FinishedLine(row.job_id or _line_id(batch_id, row.line), row.custom_id, outcome)
     return ("output" if isinstance(outcome, Answer) else "error"), line
 
@@ -315,10 +322,19 @@ def _outcome(ending: str, row: OutputRow) -> Outcome:
         return Answer(row.job_id or "", row.answer, row.prompt_tokens or 0,
                       row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
                       _seconds(row.finished_at), row.finish_reason, row.choices,
-                      row.sampling.get("logprobs"))
+                      row.sampling.get("logprobs"), row.sampling)
     if row.status == JobStatus.FAILED.value:
         return Failed(row.job_error or "the job failed")
     return Unrun(ended_error(ending))
+
+
+def _read_tool_calls(answer: Answer, plan: ToolPlan, tokenizer_model: str) -> Answer:
+    """The answer with each choice read as the line's tool plan asks (the served model's
+    tokenizer loaded only for a parser)."""
+    tokenizer = parser_tokenizer(tokenizer_model) if plan.parser is not None else None
+    return replace(answer, tool_answers=tuple(
+        tool_answer(plan, choice.text, answer.reason(choice), tokenizer=tokenizer)
+        for choice in answer.every_choice))
 
 
 def _expired(batch: BatchRecord) -> bool:

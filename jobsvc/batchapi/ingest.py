@@ -8,18 +8,23 @@ jobs it made the first time."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jobsvc.batchapi.chat_template import ChatTemplate, SplitPrompt, split_prompt
 from jobsvc.batchapi.line_requests import (
     CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    RESPONSES_ENDPOINT,
     ChatRequest,
+    CompletionRequest,
     LineError,
     parse_request,
 )
 from jobsvc.batchapi.lines import RequestLine
+from jobsvc.batchapi.responses_requests import chat_body, responses_error
+from jobsvc.batchapi.tool_calls import stored_plan
 from jobsvc.client import Client
 from jobsvc.dispatch import PreparedJob
 from jobsvc.errors import InvalidJob
@@ -44,6 +49,8 @@ class _Accepted:
     split: SplitPrompt
     sampling: dict[str, Any]
     max_tokens: int | None
+    # What is kept of the line's tool plan, to read its answer by (`tool_calls.stored_plan`).
+    tool_plan: dict[str, Any] | None
 
 
 class Ingestor:
@@ -73,20 +80,31 @@ class Ingestor:
                 errors[request.line] = request.refused
                 continue
             try:
-                parsed = parse_request(endpoint, request.body, served_model=self._served_model,
-                                       limits=self._limits)
-                split = (self._template.split(parsed.messages)
+                parsed = self._parse(endpoint, request.body)
+                split = (self._template.split(parsed.messages, parsed.tools.tools)
                          if isinstance(parsed, ChatRequest) else split_prompt(parsed.prompt))
             except LineError as error:
-                errors[request.line] = error
+                errors[request.line] = _named(endpoint, error, request.body)
                 continue
-            accepted.append(_Accepted(request, split, parsed.sampling, parsed.max_tokens))
+            plan = stored_plan(parsed.tools) if isinstance(parsed, ChatRequest) else None
+            accepted.append(_Accepted(request, split, parsed.sampling, parsed.max_tokens, plan))
         jobs = self._prepare(batch_id, endpoint, accepted, errors)
         job_ids = dict(zip((item.request.line for item, _ in jobs),
                            self._client.submit_prepared([job for _, job in jobs]), strict=True))
+        plans = {item.request.line: item.tool_plan for item, _ in jobs}
         return [LineOutcome(request.line, request.custom_id, job_ids.get(request.line),
-                            invalid(errors[request.line]) if request.line in errors else None)
+                            invalid(errors[request.line]) if request.line in errors else None,
+                            plans.get(request.line))
                 for request in lines]
+
+    def _parse(self, endpoint: str, body: Mapping[str, Any]
+               ) -> ChatRequest | CompletionRequest:
+        """The request a line's body makes; a Responses body as the chat request it amounts
+        to."""
+        if endpoint == RESPONSES_ENDPOINT:
+            endpoint, body = CHAT_ENDPOINT, chat_body(body)
+        return parse_request(endpoint, body, served_model=self._served_model,
+                             limits=self._limits)
 
     def _prepare(self, batch_id: str, endpoint: str, accepted: list[_Accepted],
                  errors: dict[int, LineError]) -> list[tuple[_Accepted, PreparedJob]]:
@@ -94,7 +112,7 @@ class Ingestor:
         make the jobs."""
         # A rendered chat carries its special tokens as text; a completions prompt gets the
         # model's leading ones, as vLLM's endpoints tokenize them.
-        completions = endpoint != CHAT_ENDPOINT
+        completions = endpoint == COMPLETIONS_ENDPOINT
         prefixes = list(dict.fromkeys(item.split.prefix for item in accepted))
         prefix_tokens = dict(zip(prefixes, self._prompts.encode(prefixes, special=completions),
                                  strict=True))
@@ -115,11 +133,17 @@ class Ingestor:
             try:
                 check_prompt(prompt, sampling, context, vocabulary, prompt_field=prompt_field)
             except InvalidJob as error:
-                errors[item.request.line] = LineError(
+                errors[item.request.line] = _named(endpoint, LineError(
                     str(error), error.field, "context_length_exceeded"
-                    if isinstance(error, ContextExceeded) else "invalid_value")
+                    if isinstance(error, ContextExceeded) else "invalid_value"),
+                    item.request.body)
                 continue
             jobs.append((item, PreparedJob(
                 item.split.prefix, prefix, item.split.suffix, suffix, sampling,
                 idempotency_key(batch_id, item.request.custom_id))))
         return jobs
+
+
+def _named(endpoint: str, error: LineError, body: Mapping[str, Any]) -> LineError:
+    """A line's error naming the fields of the line's own endpoint."""
+    return responses_error(error, body) if endpoint == RESPONSES_ENDPOINT else error

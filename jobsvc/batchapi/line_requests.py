@@ -12,11 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jobsvc.batchapi.tool_calls import (
+    NO_TOOLS,
+    TOOL_ROLE,
+    ToolPlan,
+    check_tools,
+    message_tool_fields,
+)
 from jobsvc.errors import InvalidJob
 from jobsvc.validation import JobLimits, Unsupported, check_sampling, check_sampling_value
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
+# Read as the chat request it amounts to (`jobsvc.batchapi.responses_requests`).
+RESPONSES_ENDPOINT = "/v1/responses"
 # OpenAI's defaults where jobsvc's own differ: sampling at temperature 1, and a completion of
 # 16 tokens (a chat completion runs to the end of the context).
 OPENAI_TEMPERATURE = 1.0
@@ -28,8 +37,9 @@ _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty
                   "response_format", "structured_outputs", "n", "logit_bias", "priority")
 # Keys that change nothing about the answer here.
 _IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "service_tier",
-                           "stream_options", "parallel_tool_calls"})
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+                           "stream_options"})
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          TOOL_ROLE: TOOL_ROLE}
 
 
 class LineError(ValueError):
@@ -50,11 +60,14 @@ class LineError(ValueError):
 class ChatRequest:
     """A chat line's request, checked and reduced to what the prompt and the engine need."""
 
-    # Roles and text only: content parts are joined, `developer` is `system`.
-    messages: list[dict[str, str]]
+    # Roles and text (content parts joined, `developer` is `system`), and what the template
+    # is given of earlier tool calls and their results (`tool_calls.message_tool_fields`).
+    messages: list[dict[str, Any]]
     sampling: dict[str, Any]
     # None: as many as the context leaves after the prompt.
     max_tokens: int | None
+    # What `tools` and `tool_choice` ask of the prompt, the engine and the answer.
+    tools: ToolPlan = NO_TOOLS
 
 
 @dataclass(frozen=True)
@@ -75,13 +88,18 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
     """Features jobsvc does not serve, each refused by name when the line asks for it."""
     if body.get("stream"):
         raise _unsupported("stream", "streaming")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _unsupported(name, "tool calling")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise _unsupported(name, "tool calling")
+    # Tools are given as `tools` and `tool_choice`, never as the legacy `functions`.
+    if body.get("functions"):
+        raise _unsupported("functions", "tool calling through functions (give tools)")
+    if body.get("function_call") not in (None, "none"):
+        raise _unsupported("function_call", "tool calling through function_call (give "
+                           "tool_choice)")
     if endpoint == COMPLETIONS_ENDPOINT:
+        if body.get("tools"):
+            raise _unsupported("tools", "tool calling on completions (use the chat endpoint)")
+        if body.get("tool_choice") not in (None, "none"):
+            raise _unsupported("tool_choice", "tool calling on completions (use the chat "
+                               "endpoint)")
         if body.get("echo"):
             raise _unsupported("echo", "echoing the prompt")
         if body.get("best_of") not in (None, 1, body.get("n", 1)):
@@ -95,12 +113,13 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
 _HANDLED = {
     CHAT_ENDPOINT: frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "n",
                               "stream", "tools", "functions", "tool_choice", "function_call",
-                              "logprobs", "top_logprobs", "logit_bias", *_SAMPLING_KEYS,
-                              *_IGNORED_KEYS}),
+                              "parallel_tool_calls", "logprobs", "top_logprobs", "logit_bias",
+                              *_SAMPLING_KEYS, *_IGNORED_KEYS}),
     COMPLETIONS_ENDPOINT: frozenset({"prompt", "max_tokens", "stop", "n", "stream", "logprobs",
                                      "logit_bias", "echo", "best_of", "suffix", "tools",
                                      "functions", "tool_choice", "function_call",
-                                     "top_logprobs", *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+                                     "parallel_tool_calls", "top_logprobs", *_SAMPLING_KEYS,
+                                     *_IGNORED_KEYS}),
 }
 
 
@@ -180,7 +199,7 @@ def _text_content(index: int, content: Any) -> str:
     return "\n".join(texts)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise LineError("messages must be a non-empty list", "messages")
     messages = []
@@ -190,11 +209,34 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in _ROLES:
             raise _unsupported(f"messages[{index}].role", f"the role {role!r}")
-        if message.get("tool_calls"):
-            raise _unsupported(f"messages[{index}].tool_calls", "tool calling")
-        messages.append({"role": _ROLES[role],
-                         "content": _text_content(index, message.get("content"))})
+        try:
+            tool_fields = message_tool_fields(index, message)
+        except InvalidJob as error:
+            raise _line_error(error) from None
+        content = message.get("content")
+        # An assistant's turn that only calls tools may leave its text out.
+        text = "" if content is None and "tool_calls" in tool_fields else _text_content(
+            index, content)
+        messages.append({"role": _ROLES[role], "content": text, **tool_fields})
     return messages
+
+
+def _tool_plan(body: Mapping[str, Any], sampling: Mapping[str, Any],
+               limits: JobLimits) -> ToolPlan:
+    """The plan of a chat line's `tools`, `tool_choice` and `parallel_tool_calls`."""
+    try:
+        return check_tools(body.get("tools"), body.get("tool_choice"),
+                           parser=limits.tool_call_parser,
+                           parallel_tool_calls=body.get("parallel_tool_calls"),
+                           structured_outputs=sampling.get("structured_outputs"))
+    except InvalidJob as error:
+        raise _line_error(error) from None
+
+
+def _line_error(error: InvalidJob) -> LineError:
+    """A check's refusal as the line's: Unsupported is an unsupported parameter."""
+    code = "unsupported_parameter" if isinstance(error, Unsupported) else "invalid_value"
+    return LineError(str(error), error.field, code)
 
 
 def _prompt(value: Any) -> str:
@@ -219,8 +261,12 @@ def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
     _refuse_unsupported(body, endpoint)
     sampling = _sampling(body, endpoint, limits)
     if endpoint == CHAT_ENDPOINT:
+        tools = _tool_plan(body, sampling, limits)
+        if tools.constraint is not None:
+            # The calls' schema replaces any constraint of the line's own, as in vLLM.
+            sampling = {**sampling, "structured_outputs": tools.constraint}
         return ChatRequest(_messages(body.get("messages")), sampling,
-                           _max_tokens(body, ("max_completion_tokens", "max_tokens")))
+                           _max_tokens(body, ("max_completion_tokens", "max_tokens")), tools)
     max_tokens = _max_tokens(body, ("max_tokens",))
     return CompletionRequest(_prompt(body.get("prompt")), sampling,
                              COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens)

@@ -16,14 +16,19 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobsvc.batchapi.line_requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, LineError
+from jobsvc.batchapi.line_requests import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    RESPONSES_ENDPOINT,
+    LineError,
+)
 from jobsvc.validation import first_unstorable, storable
 
 # OpenAI's limit on requests in one batch file.
 MAX_LINES = 50_000
 # A failed file lists at most this many of its errors.
 MAX_LISTED_ERRORS = 100
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT)
 # Deepest nesting of a line's JSON: Python's parser recurses once per level, and no request
 # needs more than a handful.
 MAX_DEPTH = 32

@@ -8,10 +8,17 @@ Pure: typed values in, JSON-ready dicts out."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
-from jobsvc.batchapi.line_requests import CHAT_ENDPOINT
+from jobsvc.batchapi.line_requests import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    RESPONSES_ENDPOINT,
+)
+from jobsvc.batchapi.tool_calls import OPENAI_CALL_ID_PREFIX, VLLM_CALL_ID_PREFIX, ToolAnswer
 from jobsvc.choices import Choice
 
 ENDED_MESSAGES = {
@@ -40,6 +47,11 @@ class Answer:
     # The most likely alternatives per token the request asked log probabilities for (None:
     # no log probabilities).
     top_logprobs: int | None = None
+    # The job's sampling as stored, for a response that gives the request's settings back.
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    # Each choice's answer read as tool calls, by index, when the request's tools make calls
+    # (`tool_calls.tool_answer`); empty: every choice is text.
+    tool_answers: tuple[ToolAnswer, ...] = ()
 
     @property
     def finish_reason(self) -> str:
@@ -105,12 +117,15 @@ def ended_error(ending: str) -> dict[str, str]:
     return {"code": code, "message": ENDED_MESSAGES[code]}
 
 
-def response_body(endpoint: str, answer: Answer, model: str) -> dict[str, Any]:
-    """The body the endpoint would have answered the request with."""
+def response_body(endpoint: str, answer: Answer, model: str, *,
+                  call_ids: str = OPENAI_CALL_ID_PREFIX) -> dict[str, Any]:
+    """The body the endpoint would have answered the request with; a chat answer's tool
+    calls have IDs starting with `call_ids` (OpenAI's `call_`, vLLM's `chatcmpl-tool-`)."""
+    if endpoint == RESPONSES_ENDPOINT:
+        return _response_object(answer, model)
     if endpoint == CHAT_ENDPOINT:
         kind, prefix = "chat.completion", "chatcmpl"
-        choices = [{"index": index, "message": {"role": "assistant", "content": choice.text},
-                    "finish_reason": answer.reason(choice),
+        choices = [{"index": index, **_chat_message(answer, index, choice, call_ids),
                     "logprobs": _chat_logprobs(choice, answer.top_logprobs)}
                    for index, choice in enumerate(answer.every_choice)]
     else:
@@ -126,6 +141,70 @@ def response_body(endpoint: str, answer: Answer, model: str) -> dict[str, Any]:
                   "total_tokens": answer.prompt_tokens + answer.completion_tokens,
                   "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}},
     }
+
+
+# Answer --> the Response object of a /v1/responses request
+def _response_object(answer: Answer, model: str) -> dict[str, Any]:
+    """OpenAI's Response object: one assistant message of output text, `incomplete` when the
+    answer ran out of `max_output_tokens`. The settings it gives back are the job's as
+    stored; what the store does not keep of the request (instructions, metadata, a schema's
+    name) is given back as OpenAI gives it for a request without it."""
+    incomplete = answer.finish_reason == "length"
+    status = "incomplete" if incomplete else "completed"
+    sampling = answer.sampling
+    return {
+        "id": f"resp_{answer.job_id}", "object": "response", "created_at": answer.created,
+        "status": status, "background": False,
+        "completed_at": None if incomplete else answer.created, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": None, "max_output_tokens": answer.max_tokens, "max_tool_calls": None,
+        "metadata": {}, "model": model,
+        "output": [{"type": "message", "id": f"msg_{answer.job_id}", "status": status,
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": answer.text,
+                                 "annotations": [], "logprobs": []}]}],
+        "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+        "service_tier": "default", "temperature": sampling.get("temperature", 1.0),
+        "text": {"format": _text_format(sampling.get("structured_outputs"))},
+        "tool_choice": "auto", "tools": [], "top_logprobs": 0,
+        "top_p": sampling.get("top_p", 1.0), "truncation": "disabled",
+        "usage": {
+            "input_tokens": answer.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": answer.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": answer.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens},
+        "user": None, "safety_identifier": None, "prompt_cache_key": None,
+    }
+
+
+def _text_format(constraint: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`text.format` as the job's stored constraint asks for it (the schema's name is not
+    kept: `response`)."""
+    if constraint is None:
+        return {"type": "text"}
+    if constraint.get("json_object"):
+        return {"type": "json_object"}
+    schema = constraint.get("json")
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    return {"type": "json_schema", "name": "response", "schema": schema, "strict": None}
+
+
+# Choice --> a chat choice's message, its text or its tool calls
+def _chat_message(answer: Answer, index: int, choice: Choice,
+                  call_ids: str) -> dict[str, Any]:
+    """A chat choice's `message` and `finish_reason`: the text as it is, or the tool calls it
+    was read as (each choice's IDs its own, made from the job and the choice's index)."""
+    if not answer.tool_answers:
+        return {"message": {"role": "assistant", "content": choice.text},
+                "finish_reason": answer.reason(choice)}
+    read = answer.tool_answers[index]
+    message: dict[str, Any] = {"role": "assistant", "content": read.content}
+    if read.calls:
+        message["tool_calls"] = read.tool_calls(f"{answer.job_id}-{index}", call_ids)
+    return {"message": message, "finish_reason": read.finish_reason}
 
 
 # Choice --> a choice's `logprobs`, as each endpoint shapes them
@@ -193,17 +272,20 @@ def openai_line(line: FinishedLine, *, endpoint: str, model: str) -> dict[str, A
 
 # FinishedLine --> a line of `vllm run-batch`'s output file
 def vllm_line(line: FinishedLine, *, endpoint: str, model: str) -> dict[str, Any]:
-    """The line as `vllm run-batch` writes it: an error carries its status in the response
-    and vLLM's error object beside it, with the status code as its `code`."""
+    """The line as `vllm run-batch` writes it: an answer's body carries vLLM's own fields as
+    well; an error carries its status in the response and vLLM's error object beside it, with
+    the status code as its `code`."""
     line_id, request_id = f"vllm-{line.request}", f"vllm-batch-{line.request}"
     outcome = line.outcome
     if isinstance(outcome, Unrun):
         return _line(line_id, line.custom_id, None,
                      {"error": {**outcome.error, "type": "BatchError", "param": None}})
     if isinstance(outcome, Answer):
+        body = _as_vllm_body(endpoint, response_body(endpoint, outcome, model,
+                                                     call_ids=VLLM_CALL_ID_PREFIX),
+                             [choice.stop_reason for choice in outcome.every_choice])
         return _line(line_id, line.custom_id,
-                     {"status_code": 200, "request_id": request_id,
-                      "body": response_body(endpoint, outcome, model)}, None)
+                     {"status_code": 200, "request_id": request_id, "body": body}, None)
     status, error = _error_response(outcome)
     return _line(line_id, line.custom_id,
                  {"status_code": status, "request_id": request_id, "body": None},
@@ -213,3 +295,60 @@ def vllm_line(line: FinishedLine, *, endpoint: str, model: str) -> dict[str, Any
 def jsonl(line: dict[str, Any]) -> bytes:
     """A file line: compact JSON and a newline."""
     return json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+# An answer's body --> the same body as vLLM's server writes it
+# What the lines name as the system that answered: the engines' configuration lives with each
+# worker, not with the process that writes the lines, so the lines name jobsvc's release.
+_FINGERPRINT = f"jobsvc-{metadata.version('jobsvc')}"
+# vLLM's fields of each part of a body, in its order. Those the renderer does not write are
+# null in every line: vLLM fills them only for what a request asks and jobsvc refuses (token
+# IDs, prompt log probabilities, transfers, metrics, a tier, a reasoning parser, media), or
+# for what jobsvc does not record (the prompt tokens a request put into the prefix cache).
+_BODY = {
+    CHAT_ENDPOINT: ("id", "object", "created", "model", "choices", "service_tier",
+                    "system_fingerprint", "usage", "prompt_logprobs", "prompt_token_ids",
+                    "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"),
+    COMPLETIONS_ENDPOINT: ("id", "object", "created", "model", "choices", "service_tier",
+                           "system_fingerprint", "usage", "kv_transfer_params",
+                           "ec_transfer_params", "metrics"),
+}
+_CHOICE = {
+    CHAT_ENDPOINT: ("index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                    "routed_experts"),
+    COMPLETIONS_ENDPOINT: ("index", "text", "logprobs", "finish_reason", "stop_reason",
+                           "token_ids", "prompt_logprobs", "prompt_token_ids",
+                           "routed_experts"),
+}
+# Without its `tool_calls`, which vLLM leaves out when there are none.
+_MESSAGE = ("role", "content", "refusal", "annotations", "audio", "function_call", "reasoning")
+_USAGE = ("prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+          "completion_tokens_details")
+_PROMPT_TOKENS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
+
+
+def _as_vllm_body(endpoint: str, body: dict[str, Any],
+                  stop_reasons: Sequence[str | int | None]) -> dict[str, Any]:
+    """`body` with every field vLLM's server writes for the endpoint, each in vLLM's order:
+    the system's name, each choice's stop reason (`stop_reasons`, by index), and null for
+    the rest the body lacks. Only adds: what the answer says is the renderer's alone. A body
+    of any other endpoint comes back as it is."""
+    if endpoint not in _BODY:
+        return body
+    choices = []
+    for choice, stop_reason in zip(body["choices"], stop_reasons, strict=True):
+        added: dict[str, Any] = {"stop_reason": stop_reason}
+        if endpoint == CHAT_ENDPOINT:
+            added["message"] = _with_fields(choice["message"], _MESSAGE)
+        choices.append(_with_fields({**choice, **added}, _CHOICE[endpoint]))
+    usage = body["usage"]
+    usage = _with_fields({**usage, "prompt_tokens_details": _with_fields(
+        usage["prompt_tokens_details"], _PROMPT_TOKENS)}, _USAGE)
+    return _with_fields({**body, "choices": choices, "system_fingerprint": _FINGERPRINT,
+                         "usage": usage}, _BODY[endpoint])
+
+
+def _with_fields(found: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """`found` with each of `fields` it lacks as null, in the order of `fields` (what `found`
+    has besides comes after)."""
+    return {**dict.fromkeys(fields), **found}

@@ -96,6 +96,8 @@ class LineOutcome:
     custom_id: str
     job_id: str | None
     error: dict[str, Any] | None
+    # How the answer is read as tool calls, as the line's request planned it; None: as text.
+    tool_plan: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,8 @@ class OutputRow:
     sampling: dict[str, Any]
     # Every choice of the answer (one, unless the job asked for more); empty without one.
     choices: tuple[Choice, ...]
+    # The line's tool plan as stored; None: the answer is text.
+    tool_plan: dict[str, Any] | None = None
 
 
 class BatchStore:
@@ -306,7 +310,8 @@ class BatchStore:
                 connection.execute(self._sql.insert_ignoring_duplicates(BatchLine), [
                     {"batch_id": batch_id, "line": outcome.line,
                      "custom_id": outcome.custom_id, "job_id": outcome.job_id,
-                     "error": outcome.error} for outcome in outcomes])
+                     "error": outcome.error, "tool_plan": outcome.tool_plan}
+                    for outcome in outcomes])
 
     def tally(self, batch_id: str) -> Tally:
         """Where the batch's lines stand, counted from its jobs in one query: the counts and usage
@@ -350,7 +355,8 @@ class BatchStore:
         """The batch's lines after `after_line`, in order, with their jobs' outcomes."""
         query = (
             select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,
-                   Job.status, Job.error.label("job_error"), Job.prompt_tokens, Job.sampling,
+                   BatchLine.tool_plan, Job.status, Job.error.label("job_error"),
+                   Job.prompt_tokens, Job.sampling,
                    Job.finished_at, Result.answer_zst, Result.completion_tokens,
                    Result.cached_tokens, Result.finish_reason, Result.choices_zst)
             .select_from(BatchLine)
@@ -374,4 +380,5 @@ def _output_row(row: Any) -> OutputRow:
         row.prompt_tokens, int(sampling.get("max_tokens", 0)), row.finished_at, answer,
         row.completion_tokens, row.cached_tokens, row.finish_reason, sampling,
         () if answer is None else stored_choices(answer, row.finish_reason,
-                                                 row.completion_tokens or 0, row.choices_zst))
+                                                 row.completion_tokens or 0, row.choices_zst),
+        row.tool_plan)

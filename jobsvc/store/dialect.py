@@ -288,6 +288,6 @@ class SQLite(Dialect):
 
 
 def _choices_frame(outcome: JobOutcome) -> bytes | None:
-    """What a result stores of its choices: a frame only for a job that asked for more than
-    one answer's text."""
+    """What a result stores of its choices: a frame only for an answer that holds more than
+    its text (`JobOutcome.choices`)."""
     return encode_choices(outcome.choices) if outcome.choices else None

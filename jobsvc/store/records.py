@@ -165,7 +165,8 @@ class JobOutcome:
     cached_tokens: int
     finished_at: datetime
     finish_reason: str | None = None
-    # Every choice, when the job asked for several or for log probabilities (else none).
+    # Every choice, when the job asked for several or for log probabilities, or a stop string
+    # or token ended its answer (else none).
     choices: tuple[Choice, ...] = ()
 
     @property

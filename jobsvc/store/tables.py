@@ -89,8 +89,8 @@ class Result(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # Why the engine ended the answer: `stop` (end of sequence or a stop string) or `length`.
     finish_reason: Mapped[str | None] = mapped_column(String(16))
-    # Every choice with its log probabilities (jobsvc.choices), for a job that asked for
-    # several choices or for log probabilities; `answer_zst` holds the first choice's text.
+    # Every choice with its log probabilities and stop reason (jobsvc.choices), for an answer
+    # that holds more than its text; `answer_zst` holds the first choice's text.
     choices_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
@@ -186,3 +186,6 @@ class BatchLine(Base):
     custom_id: Mapped[str] = mapped_column(Text)
     job_id: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[dict[str, Any] | None] = mapped_column(_JSON)
+    # A chat line's tool plan, for its answer to be read as tool calls at the batch's end
+    # (`jobsvc.batchapi.tool_calls.stored_plan`); None: the answer is text.
+    tool_plan: Mapped[dict[str, Any] | None] = mapped_column(_JSON)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import UTC, datetime
+from importlib import metadata
+from math import inf
 from typing import Any
 
 import pytest
 
+from jobsvc import compression
 from jobsvc.batchapi.chat_template import ChatTemplate, split_prompt
 from jobsvc.batchapi.driver import file_line
 from jobsvc.batchapi.line_requests import (
@@ -32,7 +35,14 @@ from jobsvc.batchapi.output_lines import (
     response_body,
     vllm_line,
 )
-from jobsvc.choices import stored_choices
+from jobsvc.choices import (
+    LOWEST_LOGPROB,
+    Choice,
+    TokenLogprob,
+    decode_choices,
+    encode_choices,
+    stored_choices,
+)
 from jobsvc.settings import TINY_MODEL
 from jobsvc.store.batches import OutputRow
 from jobsvc.validation import JobLimits
@@ -86,7 +96,7 @@ def test_a_file_of_more_than_the_limit_of_requests_fails_and_an_empty_one_too() 
     ({"messages": [{"role": "user", "content": "q"}], "n": 129}, "n"),
     ({"messages": [{"role": "user", "content": "q"}], "stream": True}, "stream"),
     ({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]},
-     "tools"),
+     "tools[0].function"),
     ({"messages": [{"role": "user", "content": "q"}], "logprobs": 3}, "logprobs"),
     ({"messages": [{"role": "user", "content": "q"}], "top_logprobs": 3}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 21},
@@ -202,13 +212,77 @@ def test_run_batch_lines_take_vllms_shape() -> None:
                     max_tokens=4, created=1)
     ok = vllm_line(FinishedLine("j", "a", answer), endpoint=CHAT_ENDPOINT, model="jobsvc")
     assert ok["id"] == "vllm-j"
-    assert ok["response"]["body"] == response_body(CHAT_ENDPOINT, answer, "jobsvc")
+    assert ok["response"]["request_id"] == "vllm-batch-j"
     bad = vllm_line(FinishedLine("k", "b", Refused(400, {
         "message": "m", "type": "invalid_request_error", "param": "n", "code": "x"})),
         endpoint=CHAT_ENDPOINT, model="jobsvc")
     assert bad["response"] == {"status_code": 400, "request_id": "vllm-batch-k", "body": None}
     assert bad["error"] == {"error": {"message": "m", "type": "invalid_request_error",
                                       "param": "n", "code": 400}}
+
+
+def _kept(shaped: Any, rendered: Any) -> bool:
+    """Whether `shaped` holds every field of `rendered` with its value, at any depth."""
+    if isinstance(rendered, dict):
+        return isinstance(shaped, dict) and all(
+            key in shaped and _kept(shaped[key], value) for key, value in rendered.items())
+    if isinstance(rendered, list):
+        return (isinstance(shaped, list) and len(shaped) == len(rendered)
+                and all(map(_kept, shaped, rendered)))
+    return bool(shaped == rendered)
+
+
+# The fields vLLM's server writes that the renderer leaves out, by endpoint: the body's, a
+# choice's, and (chat) its message's; both endpoints' usage adds the same.
+_VLLM_ADDS = {
+    CHAT_ENDPOINT: ({"service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids",
+                     "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"},
+                    {"stop_reason", "token_ids", "routed_experts"},
+                    {"refusal", "annotations", "audio", "function_call", "reasoning"}),
+    COMPLETIONS_ENDPOINT: ({"service_tier", "system_fingerprint", "kv_transfer_params",
+                            "ec_transfer_params", "metrics"},
+                           {"stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids",
+                            "routed_experts"}, set()),
+}
+
+
+@pytest.mark.parametrize("endpoint", [CHAT_ENDPOINT, COMPLETIONS_ENDPOINT])
+def test_run_batch_bodies_add_vllms_own_fields_to_the_rendered_answer(endpoint: str) -> None:
+    choices = (Choice("hi", "stop", 2, None, "ou"), Choice("yo", "stop", 3, None, 7),
+               Choice("hey there", "length", 4))
+    answer = Answer("j", "hi", prompt_tokens=5, completion_tokens=9, cached_tokens=4,
+                    max_tokens=4, created=1, choices=choices)
+    rendered = response_body(endpoint, answer, "jobsvc")
+    line = FinishedLine("j", "a", answer)
+    body = vllm_line(line, endpoint=endpoint, model="jobsvc")["response"]["body"]
+    # What the answer says is the renderer's, unchanged; OpenAI's shape adds nothing.
+    assert _kept(body, rendered)
+    assert openai_line(line, endpoint=endpoint, model="jobsvc")["response"]["body"] == rendered
+    body_fields, choice_fields, message_fields = _VLLM_ADDS[endpoint]
+    assert body.keys() - rendered.keys() == body_fields
+    assert body["system_fingerprint"] == f"jobsvc-{metadata.version('jobsvc')}"
+    assert [choice["stop_reason"] for choice in body["choices"]] == ["ou", 7, None]
+    for shaped, plain in zip(body["choices"], rendered["choices"], strict=True):
+        assert shaped.keys() - plain.keys() == choice_fields
+        assert all(shaped[name] is None for name in choice_fields - {"stop_reason"})
+        if message_fields:
+            assert shaped["message"].keys() - plain["message"].keys() == message_fields
+            assert all(shaped["message"][name] is None for name in message_fields)
+    assert body["usage"]["completion_tokens_details"] is None
+    assert body["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 4, "created_cache_tokens": None, "multimodal_tokens": None}
+    assert all(body[name] is None for name in body_fields - {"system_fingerprint"})
+
+
+def test_a_choices_frame_keeps_stop_reasons_and_refuses_an_unknown_version() -> None:
+    choices = (Choice("a", "stop", 2, None, "ou"), Choice("b", "stop", 3, None, 7),
+               Choice("c", "length", 4, (TokenLogprob("c", -inf, (("c", -0.5),)),)))
+    decoded = decode_choices(encode_choices(choices))
+    assert decoded[:2] == choices[:2]
+    assert decoded[2].logprobs == (TokenLogprob("c", LOWEST_LOGPROB, (("c", -0.5),)),)
+    unknown = compression.compress(json.dumps({"v": 99, "choices": []}).encode())
+    with pytest.raises(ValueError, match="version 99"):
+        decode_choices(unknown)
 
 
 _FINISHED_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -218,15 +292,18 @@ _CREATED = 1767323045
 def _row(line: int, custom_id: str, job_id: str | None = None, *, status: str | None = None,
          error: dict[str, Any] | None = None, job_error: str | None = None,
          answer: str | None = None, completion_tokens: int | None = None,
-         finish_reason: str | None = None) -> OutputRow:
-    """A line as the batch store gives it: 12 prompt tokens, 8 of them cached, 5 allowed."""
+         finish_reason: str | None = None, stop_reason: str | None = None) -> OutputRow:
+    """A line as the batch store gives it: 12 prompt tokens, 8 of them cached, 5 allowed; an
+    answer a stop string ended stored with its choices frame, as the worker stores it."""
     ran = status in ("succeeded", "failed")
+    frame = None if stop_reason is None else encode_choices(
+        [Choice(answer or "", finish_reason, completion_tokens or 0, None, stop_reason)])
     return OutputRow(line, custom_id, job_id, error, status, job_error,
                      12 if job_id else None, 5 if job_id else 0,
                      _FINISHED_AT if ran else None, answer, completion_tokens,
                      8 if answer is not None else None, finish_reason, {"max_tokens": 5},
                      () if answer is None else stored_choices(answer, finish_reason,
-                                                              completion_tokens or 0, None))
+                                                              completion_tokens or 0, frame))
 
 
 def _usage(completion_tokens: int) -> dict[str, Any]:
@@ -244,6 +321,36 @@ _TEXT_BODY = {"id": "cmpl-j2", "object": "text_completion", "created": _CREATED,
               "model": "jobsvc", "choices": [{"index": 0, "text": "five",
                                               "finish_reason": "length", "logprobs": None}],
               "usage": _usage(5)}
+
+
+# The same bodies as `vllm run-batch` writes them: vLLM's fields in its order, nulls for what
+# no request of jobsvc's asks for, the stop string that ended an answer, the system's name.
+def _vllm_usage(completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 12, "total_tokens": 12 + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 8, "created_cache_tokens": None,
+                                      "multimodal_tokens": None},
+            "completion_tokens_details": None}
+
+
+_FINGERPRINT = f"jobsvc-{metadata.version('jobsvc')}"
+_TRANSFERS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+_VLLM_CHAT_BODY = {
+    "id": "chatcmpl-j1", "object": "chat.completion", "created": _CREATED, "model": "jobsvc",
+    "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": 'héllo ✓ "q"', "refusal": None, "annotations": None,
+        "audio": None, "function_call": None, "reasoning": None},
+        "logprobs": None, "finish_reason": "stop", "stop_reason": "ou", "token_ids": None,
+        "routed_experts": None}],
+    "service_tier": None, "system_fingerprint": _FINGERPRINT, "usage": _vllm_usage(3),
+    "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, **_TRANSFERS}
+_VLLM_TEXT_BODY = {
+    "id": "cmpl-j2", "object": "text_completion", "created": _CREATED, "model": "jobsvc",
+    "choices": [{"index": 0, "text": "five", "logprobs": None, "finish_reason": "length",
+                 "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                 "prompt_token_ids": None, "routed_experts": None}],
+    "service_tier": None, "system_fingerprint": _FINGERPRINT, "usage": _vllm_usage(5),
+    **_TRANSFERS}
 _REFUSAL = {"message": "max_tokens must be at least 1", "type": "invalid_request_error",
             "param": "max_tokens", "code": "invalid_value"}
 # A line without a job is named by a hash of its batch and line number.
@@ -254,17 +361,19 @@ _CANCELLED = ended_error("cancelled")
 _RENDERED: list[tuple[str, str, OutputRow, str, dict[str, Any], dict[str, Any]]] = [
     (CHAT_ENDPOINT, "expired",
      _row(1, "a", "j1", status="succeeded", answer='héllo ✓ "q"', completion_tokens=3,
-          finish_reason="stop"), "output",
+          finish_reason="stop", stop_reason="ou"), "output",
      {"id": "batch_req_j1", "custom_id": "a", "response": {
          "status_code": 200, "request_id": "req_j1", "body": _CHAT_BODY}, "error": None},
      {"id": "vllm-j1", "custom_id": "a", "response": {
-         "status_code": 200, "request_id": "vllm-batch-j1", "body": _CHAT_BODY}, "error": None}),
+         "status_code": 200, "request_id": "vllm-batch-j1", "body": _VLLM_CHAT_BODY},
+      "error": None}),
     (COMPLETIONS_ENDPOINT, "expired",
      _row(2, "b", "j2", status="succeeded", answer="five", completion_tokens=5), "output",
      {"id": "batch_req_j2", "custom_id": "b", "response": {
          "status_code": 200, "request_id": "req_j2", "body": _TEXT_BODY}, "error": None},
      {"id": "vllm-j2", "custom_id": "b", "response": {
-         "status_code": 200, "request_id": "vllm-batch-j2", "body": _TEXT_BODY}, "error": None}),
+         "status_code": 200, "request_id": "vllm-batch-j2", "body": _VLLM_TEXT_BODY},
+      "error": None}),
     (CHAT_ENDPOINT, "expired",
      _row(3, "c", "j3", status="failed", job_error="the engine died"), "error",
      {"id": "batch_req_j3", "custom_id": "c", "response": {
@@ -296,7 +405,7 @@ _RENDERED: list[tuple[str, str, OutputRow, str, dict[str, Any], dict[str, Any]]]
 def test_a_finished_row_renders_to_the_same_openai_and_vllm_lines_byte_for_byte(
         endpoint: str, ending: str, row: OutputRow, file: str, openai: dict[str, Any],
         vllm: dict[str, Any]) -> None:
-    kind, line = file_line("batch_1", ending, row)
+    kind, line = file_line("batch_1", ending, row, tokenizer_model="ops/tiny-llama")
     assert kind == file
 
     def exact(expected: dict[str, Any]) -> bytes:

@@ -64,6 +64,8 @@ class EngineResult:
     # or for log probabilities, or whose answer a stop string or token ended (else none: `text`
     # is the whole answer).
     choices: tuple[Choice, ...] = ()
+    # Prompt tokens the request wrote into the prefix cache, as the engine counts them.
+    created_cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,7 @@ class EngineAdapter:
         on_result(EngineResult(request.job_id, first.text, None, prompt_tokens,
                                sum(len(c.token_ids) for c in completions),
                                final.num_cached_tokens or 0, time.time(), first.finish_reason,
-                               choices))
+                               choices, final.num_cache_creation_tokens))
 
 
 def _choice(completion: Any, top: int | None) -> Choice:

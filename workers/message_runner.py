@@ -227,4 +227,4 @@ class MessageRunner:
 def _outcome(result: EngineResult) -> JobOutcome:
     return JobOutcome(result.job_id, result.text, result.error, result.completion_tokens,
                       result.cached_tokens, datetime.fromtimestamp(result.finished_at, UTC),
-                      result.finish_reason, result.choices)
+                      result.finish_reason, result.choices, result.created_cache_tokens)

@@ -52,6 +52,8 @@ class Answer:
     # Each choice's answer read as tool calls, by index, when the request's tools make calls
     # (`tool_calls.tool_answer`); empty: every choice is text.
     tool_answers: tuple[ToolAnswer, ...] = ()
+    # Prompt tokens the request wrote into the engine's prefix cache (None: not recorded).
+    created_cache_tokens: int | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -171,7 +173,7 @@ def _response_object(answer: Answer, model: str) -> dict[str, Any]:
         "usage": {
             "input_tokens": answer.prompt_tokens,
             "input_tokens_details": {"cached_tokens": answer.cached_tokens,
-                                     "cache_write_tokens": 0},
+                                     "cache_write_tokens": answer.created_cache_tokens or 0},
             "output_tokens": answer.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": answer.prompt_tokens + answer.completion_tokens},
@@ -283,7 +285,8 @@ def vllm_line(line: FinishedLine, *, endpoint: str, model: str) -> dict[str, Any
     if isinstance(outcome, Answer):
         body = _as_vllm_body(endpoint, response_body(endpoint, outcome, model,
                                                      call_ids=VLLM_CALL_ID_PREFIX),
-                             [choice.stop_reason for choice in outcome.every_choice])
+                             [choice.stop_reason for choice in outcome.every_choice],
+                             outcome.created_cache_tokens)
         return _line(line_id, line.custom_id,
                      {"status_code": 200, "request_id": request_id, "body": body}, None)
     status, error = _error_response(outcome)
@@ -303,8 +306,7 @@ def jsonl(line: dict[str, Any]) -> bytes:
 _FINGERPRINT = f"jobsvc-{metadata.version('jobsvc')}"
 # vLLM's fields of each part of a body, in its order. Those the renderer does not write are
 # null in every line: vLLM fills them only for what a request asks and jobsvc refuses (token
-# IDs, prompt log probabilities, transfers, metrics, a tier, a reasoning parser, media), or
-# for what jobsvc does not record (the prompt tokens a request put into the prefix cache).
+# IDs, prompt log probabilities, transfers, metrics, a tier, a reasoning parser, media).
 _BODY = {
     CHAT_ENDPOINT: ("id", "object", "created", "model", "choices", "service_tier",
                     "system_fingerprint", "usage", "prompt_logprobs", "prompt_token_ids",
@@ -328,11 +330,13 @@ _PROMPT_TOKENS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
 
 
 def _as_vllm_body(endpoint: str, body: dict[str, Any],
-                  stop_reasons: Sequence[str | int | None]) -> dict[str, Any]:
+                  stop_reasons: Sequence[str | int | None],
+                  created_cache_tokens: int | None) -> dict[str, Any]:
     """`body` with every field vLLM's server writes for the endpoint, each in vLLM's order:
-    the system's name, each choice's stop reason (`stop_reasons`, by index), and null for
-    the rest the body lacks. Only adds: what the answer says is the renderer's alone. A body
-    of any other endpoint comes back as it is."""
+    the system's name, each choice's stop reason (`stop_reasons`, by index), the prompt
+    tokens the request wrote into the cache, and null for the rest the body lacks. Only
+    adds: what the answer says is the renderer's alone. A body of any other endpoint comes
+    back as it is."""
     if endpoint not in _BODY:
         return body
     choices = []
@@ -343,7 +347,8 @@ def _as_vllm_body(endpoint: str, body: dict[str, Any],
         choices.append(_with_fields({**choice, **added}, _CHOICE[endpoint]))
     usage = body["usage"]
     usage = _with_fields({**usage, "prompt_tokens_details": _with_fields(
-        usage["prompt_tokens_details"], _PROMPT_TOKENS)}, _USAGE)
+        {**usage["prompt_tokens_details"], "created_cache_tokens": created_cache_tokens},
+        _PROMPT_TOKENS)}, _USAGE)
     return _with_fields({**body, "choices": choices, "system_fingerprint": _FINGERPRINT,
                          "usage": usage}, _BODY[endpoint])
 

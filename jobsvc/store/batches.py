@@ -146,6 +146,8 @@ class OutputRow:
     choices: tuple[Choice, ...]
     # The line's tool plan as stored; None: the answer is text.
     tool_plan: dict[str, Any] | None = None
+    # Prompt tokens the request wrote into the engine's prefix cache, once recorded.
+    created_cache_tokens: int | None = None
 
 
 class BatchStore:
@@ -358,7 +360,8 @@ class BatchStore:
                    BatchLine.tool_plan, Job.status, Job.error.label("job_error"),
                    Job.prompt_tokens, Job.sampling,
                    Job.finished_at, Result.answer_zst, Result.completion_tokens,
-                   Result.cached_tokens, Result.finish_reason, Result.choices_zst)
+                   Result.cached_tokens, Result.finish_reason, Result.choices_zst,
+                   Result.created_cache_tokens)
             .select_from(BatchLine)
             .outerjoin(Job, Job.id == BatchLine.job_id)
             .outerjoin(Result, Result.job_id == Job.id)
@@ -381,4 +384,4 @@ def _output_row(row: Any) -> OutputRow:
         row.completion_tokens, row.cached_tokens, row.finish_reason, sampling,
         () if answer is None else stored_choices(answer, row.finish_reason,
                                                  row.completion_tokens or 0, row.choices_zst),
-        row.tool_plan)
+        row.tool_plan, row.created_cache_tokens)

@@ -129,14 +129,15 @@ WITH finished AS (
     RETURNING jobs.id, jobs.shard, jobs.load),
 answered AS (
     INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
-                         choices_zst, created_at)
+                         choices_zst, created_cache_tokens, created_at)
     SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, r.finish_reason,
-           r.choices_zst, :recorded_at
+           r.choices_zst, r.created_cache_tokens, :recorded_at
     FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
                 CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]),
-                CAST(:finish_reasons AS varchar[]), CAST(:choices AS bytea[]))
+                CAST(:finish_reasons AS varchar[]), CAST(:choices AS bytea[]),
+                CAST(:created_cache_tokens AS integer[]))
          AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
-               choices_zst)
+               choices_zst, created_cache_tokens)
     JOIN finished ON finished.id = r.job_id
     ON CONFLICT DO NOTHING)
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
@@ -221,6 +222,7 @@ class PostgreSQL(Dialect):
             "cached_tokens": [o.cached_tokens for o in succeeded],
             "finish_reasons": [o.finish_reason for o in succeeded],
             "choices": [_choices_frame(o) for o in succeeded],
+            "created_cache_tokens": [o.created_cache_tokens for o in succeeded],
         }))
 
 
@@ -276,6 +278,7 @@ class SQLite(Dialect):
                 {"job_id": o.job_id, "answer_zst": compression.compress(o.answer.encode()),
                  "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
                  "finish_reason": o.finish_reason, "choices_zst": _choices_frame(o),
+                 "created_cache_tokens": o.created_cache_tokens,
                  "created_at": recorded_at}
                 for o in succeeded])
         connection.execute(

@@ -168,6 +168,8 @@ class JobOutcome:
     # Every choice, when the job asked for several or for log probabilities, or a stop string
     # or token ended its answer (else none).
     choices: tuple[Choice, ...] = ()
+    # Prompt tokens the request wrote into the engine's prefix cache.
+    created_cache_tokens: int | None = None
 
     @property
     def status(self) -> JobStatus:

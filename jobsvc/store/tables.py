@@ -87,6 +87,9 @@ class Result(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Prompt tokens the request wrote into the engine's prefix cache; none on results written
+    # before it was recorded.
+    created_cache_tokens: Mapped[int | None] = mapped_column(Integer)
     # Why the engine ended the answer: `stop` (end of sequence or a stop string) or `length`.
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     # Every choice with its log probabilities and stop reason (jobsvc.choices), for an answer

@@ -251,7 +251,7 @@ def test_run_batch_bodies_add_vllms_own_fields_to_the_rendered_answer(endpoint: 
     choices = (Choice("hi", "stop", 2, None, "ou"), Choice("yo", "stop", 3, None, 7),
                Choice("hey there", "length", 4))
     answer = Answer("j", "hi", prompt_tokens=5, completion_tokens=9, cached_tokens=4,
-                    max_tokens=4, created=1, choices=choices)
+                    max_tokens=4, created=1, choices=choices, created_cache_tokens=1)
     rendered = response_body(endpoint, answer, "jobsvc")
     line = FinishedLine("j", "a", answer)
     body = vllm_line(line, endpoint=endpoint, model="jobsvc")["response"]["body"]
@@ -270,7 +270,7 @@ def test_run_batch_bodies_add_vllms_own_fields_to_the_rendered_answer(endpoint: 
             assert all(shaped["message"][name] is None for name in message_fields)
     assert body["usage"]["completion_tokens_details"] is None
     assert body["usage"]["prompt_tokens_details"] == {
-        "cached_tokens": 4, "created_cache_tokens": None, "multimodal_tokens": None}
+        "cached_tokens": 4, "created_cache_tokens": 1, "multimodal_tokens": None}
     assert all(body[name] is None for name in body_fields - {"system_fingerprint"})
 
 

@@ -32,6 +32,9 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
 MAX_BIASED_TOKENS = 1024
+# Most log probabilities one job's answers may carry (a token's own and its alternatives', over
+# every choice): they are held whole while the answer is recorded and while it is written out.
+MAX_LOGPROB_ENTRIES = 1 << 18
 # The store's column for a job's idempotency key is this long.
 MAX_IDEMPOTENCY_KEY_CHARS = 128
 # What PostgreSQL's text and the tokenizer refuse: NUL, and UTF-16 surrogates that pair with
@@ -463,6 +466,7 @@ def validate_job(job: Any, limits: JobLimits) -> JobRequest:
                               limits.max_stop_chars,
                               priority_scheduling=limits.priority_scheduling)
     _check_min_tokens(sampling)
+    _check_logprob_entries(sampling)
     encoded = len(json.dumps({"question": question, "sampling": sampling}).encode())
     if encoded > limits.max_job_bytes:
         raise InvalidJob(f"job is {encoded} bytes encoded (question and sampling), over the "
@@ -470,13 +474,26 @@ def validate_job(job: Any, limits: JobLimits) -> JobRequest:
     return JobRequest(document, question, sampling, key)
 
 
+def _check_logprob_entries(sampling: Mapping[str, Any]) -> None:
+    if (top := sampling.get("logprobs")) is None:
+        return
+    choices, max_tokens = sampling.get("n", 1), sampling["max_tokens"]
+    entries = choices * max_tokens * (top + 1)
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise InvalidJob(f"{choices} choice(s) of up to {max_tokens} tokens, each with {top} "
+                         f"alternatives, would carry {entries} log probabilities, over the "
+                         f"limit of {MAX_LOGPROB_ENTRIES}; lower max_tokens, n or the "
+                         "alternatives asked for", "logprobs")
+
+
 def check_prompt(prompt_tokens: int, sampling: Mapping[str, Any], context: int,
                  vocabulary: int, *, prompt_field: str) -> None:
     """Check a tokenized job against the model: a prompt of at least two tokens (a stored
     prefix and suffix hold one each), the prompt plus `max_tokens` within the `context`
-    (ContextExceeded), `min_tokens` at most `max_tokens`, and a logit bias naming tokens of
-    the model's `vocabulary` (its size). `prompt_field` names what holds the prompt
-    (`document`, `messages`, `prompt`), for the error to name."""
+    (ContextExceeded), `min_tokens` at most `max_tokens`, log probabilities within
+    MAX_LOGPROB_ENTRIES, and a logit bias naming tokens of the model's `vocabulary` (its
+    size). `prompt_field` names what holds the prompt (`document`, `messages`, `prompt`), for
+    the error to name."""
     outside = [token for token in sampling.get("logit_bias", {}) if int(token) >= vocabulary]
     if outside:
         raise InvalidJob(f"logit_bias names token {outside[0]}, outside the model's vocabulary "
@@ -491,3 +508,4 @@ def check_prompt(prompt_tokens: int, sampling: Mapping[str, Any], context: int,
             f"model's context of {context} tokens; shorten the {prompt_field} or lower "
             "max_tokens", prompt_field if prompt_tokens >= context else "max_tokens")
     _check_min_tokens(sampling)
+    _check_logprob_entries(sampling)

@@ -321,7 +321,7 @@ def _outcome(ending: str, row: OutputRow) -> Outcome:
     if row.status == JobStatus.SUCCEEDED.value and row.answer is not None:
         return Answer(row.job_id or "", row.answer, row.prompt_tokens or 0,
                       row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
-                      _seconds(row.finished_at), row.finish_reason, row.choices,
+                      _seconds(row.finished_at), row.finish_reason, row.choices(),
                       row.sampling.get("logprobs"), row.sampling,
                       created_cache_tokens=row.created_cache_tokens)
     if row.status == JobStatus.FAILED.value:

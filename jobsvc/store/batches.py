@@ -35,8 +35,9 @@ CANCELLABLE = ("validating", "in_progress")
 # The stamp of each final state.
 _FINAL_STAMP = {"completed": "completed_at", "cancelled": "cancelled_at",
                 "expired": "expired_at", "failed": "failed_at"}
-# Lines read per query for the output files.
-_OUTPUT_PAGE = 2000
+# Lines read per query for the output files: a page holds each line's answer and, for an
+# answer with several choices or log probabilities, its compressed choices.
+_OUTPUT_PAGE = 256
 
 
 class LeaseLost(RuntimeError):
@@ -142,12 +143,21 @@ class OutputRow:
     finish_reason: str | None
     # The job's sampling as stored (what it asked for: choices, log probabilities).
     sampling: dict[str, Any]
-    # Every choice of the answer (one, unless the job asked for more); empty without one.
-    choices: tuple[Choice, ...]
+    # The answer's choices as stored (`jobsvc.choices`; None: its text is the one choice), read
+    # one line at a time as the line is written (`choices`).
+    choices_frame: bytes | None
     # The line's tool plan as stored; None: the answer is text.
     tool_plan: dict[str, Any] | None = None
     # Prompt tokens the request wrote into the engine's prefix cache, once recorded.
     created_cache_tokens: int | None = None
+
+    def choices(self) -> tuple[Choice, ...]:
+        """Every choice of the answer (one, unless it holds more); empty without an answer.
+        Decoded on each call: a page keeps its lines' choices compressed."""
+        if self.answer is None:
+            return ()
+        return stored_choices(self.answer, self.finish_reason, self.completion_tokens or 0,
+                              self.choices_frame)
 
 
 class BatchStore:
@@ -382,6 +392,4 @@ def _output_row(row: Any) -> OutputRow:
         row.line, row.custom_id, row.job_id, row.error, row.status, row.job_error,
         row.prompt_tokens, int(sampling.get("max_tokens", 0)), row.finished_at, answer,
         row.completion_tokens, row.cached_tokens, row.finish_reason, sampling,
-        () if answer is None else stored_choices(answer, row.finish_reason,
-                                                 row.completion_tokens or 0, row.choices_zst),
-        row.tool_plan, row.created_cache_tokens)
+        row.choices_zst, row.tool_plan, row.created_cache_tokens)

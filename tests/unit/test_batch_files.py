@@ -41,7 +41,6 @@ from jobsvc.choices import (
     TokenLogprob,
     decode_choices,
     encode_choices,
-    stored_choices,
 )
 from jobsvc.settings import TINY_MODEL
 from jobsvc.store.batches import OutputRow
@@ -302,8 +301,7 @@ def _row(line: int, custom_id: str, job_id: str | None = None, *, status: str | 
                      12 if job_id else None, 5 if job_id else 0,
                      _FINISHED_AT if ran else None, answer, completion_tokens,
                      8 if answer is not None else None, finish_reason, {"max_tokens": 5},
-                     () if answer is None else stored_choices(answer, finish_reason,
-                                                              completion_tokens or 0, frame))
+                     frame)
 
 
 def _usage(completion_tokens: int) -> dict[str, Any]:

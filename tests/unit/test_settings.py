@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from jobsvc import compression
-from jobsvc.errors import ConfigurationError
+from jobsvc.errors import ConfigurationError, InvalidJob
 from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import EMBEDDED_DATABASE_URL, Settings
-from jobsvc.workers.engine import engine_args
+from jobsvc.validation import validate_job
+from jobsvc.workers.engine import engine_args, sampling_params
 from jobsvc.workloads import document_questions, lexicon
 
 pytestmark = pytest.mark.unit
@@ -50,6 +51,24 @@ def test_the_tiny_model_runs_float32_unless_told_otherwise(tmp_path: Path) -> No
     assert engine_args(Settings.from_env({}))["dtype"] == "float32"
     assert engine_args(Settings.from_env({"JOBSVC_DTYPE": "bfloat16"}))["dtype"] == "bfloat16"
     assert engine_args(Settings.from_env({"JOBSVC_MODEL": str(tmp_path)}))["dtype"] == "auto"
+
+
+def test_a_priority_reaches_the_engine_only_where_it_schedules_by_priority() -> None:
+    job = {"document": "doc", "question": "q", "priority": -5, "logit_bias": {7: 2.5}}
+    fcfs = Settings.from_env({})
+    assert engine_args(fcfs)["scheduling_policy"] == "fcfs"
+    with pytest.raises(InvalidJob) as refused:
+        validate_job(job, fcfs.job_limits)
+    assert refused.value.field == "priority"
+    by_priority = Settings.from_env({"JOBSVC_SCHEDULING_POLICY": "priority"})
+    assert engine_args(by_priority)["scheduling_policy"] == "priority"
+    sampling = validate_job(job, by_priority.job_limits).sampling
+    assert (sampling["priority"], sampling["logit_bias"]) == (-5, {"7": 2.5})
+    # The priority goes with the request, not in vLLM's sampling; the bias by token ID.
+    params = sampling_params(sampling)
+    assert not hasattr(params, "priority") and params.logit_bias == {7: 2.5}
+    with pytest.raises(ConfigurationError, match="JOBSVC_SCHEDULING_POLICY"):
+        Settings.from_env({"JOBSVC_SCHEDULING_POLICY": "lottery"})
 
 
 def test_a_missing_default_model_is_refused_naming_the_setting(

@@ -10,6 +10,7 @@ import pytest
 from jobsvc.errors import InvalidJob
 from jobsvc.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_LOGPROB_ENTRIES,
     ContextExceeded,
     JobLimits,
     Unsupported,
@@ -151,6 +152,27 @@ def test_min_tokens_is_checked_against_the_max_tokens_the_prompt_leaves() -> Non
     with pytest.raises(InvalidJob, match="min_tokens must not exceed max_tokens") as refused:
         check_prompt(90, {"max_tokens": 10, "min_tokens": 11}, 100, 1000, prompt_field="messages")
     assert refused.value.field == "min_tokens"
+
+
+def test_log_probabilities_are_bounded_per_job_and_biases_name_the_models_tokens() -> None:
+    context = 1 << 22
+    within = {"max_tokens": MAX_LOGPROB_ENTRIES // 21, "logprobs": 20}
+    check_prompt(90, within, context, 1000, prompt_field="prompt")
+    for over in ({**within, "n": 2}, {**within, "max_tokens": within["max_tokens"] + 1}):
+        with pytest.raises(InvalidJob, match="log probabilities") as refused:
+            check_prompt(90, over, context, 1000, prompt_field="prompt")
+        assert refused.value.field == "logprobs"
+    check_prompt(90, {"max_tokens": 10 * MAX_LOGPROB_ENTRIES, "n": 2}, 1 << 30, 1000,
+                 prompt_field="prompt")
+    with pytest.raises(InvalidJob) as refused:
+        validate_job(job(max_tokens=MAX_LOGPROB_ENTRIES, logprobs=0, n=2), LIMITS)
+    assert refused.value.field == "logprobs"
+    check_prompt(90, {"max_tokens": 8, "logit_bias": {"999": 5}}, 100, 1000,
+                 prompt_field="prompt")
+    with pytest.raises(InvalidJob, match="vocabulary") as refused:
+        check_prompt(90, {"max_tokens": 8, "logit_bias": {"1000": 5}}, 100, 1000,
+                     prompt_field="prompt")
+    assert refused.value.field == "logit_bias"
 
 
 def test_the_first_unstorable_string_of_a_json_value_is_found_with_its_path() -> None:

@@ -183,7 +183,8 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 
 def _check_echoed(body: Mapping[str, Any]) -> None:
-    """What the Response object gives back must be of the type it has there."""
+    """Fields OpenAI's Response object types (strings, a map of strings) must have that
+    type, as OpenAI's endpoint checks them, though they change nothing here."""
     for name in _ECHOED_STRINGS:
         if body.get(name) is not None and not isinstance(body[name], str):
             raise LineError(f"{name} must be a string", name)

@@ -380,7 +380,7 @@ def test_no_password_reaches_output_or_a_command_line(harness: Harness,
     database = harness.postgres.url.replace("postgres@", f"postgres:{secret}@")
     env = {**os.environ, "JOBSVC_DATABASE_URL": database,
            "JOBSVC_REDIS_URL": f"redis://:{secret}@127.0.0.1:6399/0",
-           "JOBSVC_FLOWER_PORT": "5599"}
+           "JOBSVC_FLOWER_PORT": "5599", "FLOWER_BASIC_AUTH": f"operator:{secret}"}
     migrate = subprocess.run([sys.executable, "-m", "jobsvc", "migrate"], env=env,
                              capture_output=True, timeout=120)
     assert migrate.returncode == 0, migrate.stderr.decode()[-2000:]
@@ -391,15 +391,18 @@ def test_no_password_reaches_output_or_a_command_line(harness: Harness,
         flower = subprocess.Popen([sys.executable, "-m", "jobsvc", "flower"], env=env,
                                   stdout=out, stderr=subprocess.STDOUT)
     try:
+        # Running (behind its password), and saying where it listens and on which broker.
         deadline = time.monotonic() + 60
-        while b"flower" not in log.read_bytes().lower() and time.monotonic() < deadline:
+        while b"Broker:" not in log.read_bytes() and time.monotonic() < deadline:
             assert flower.poll() is None, log.read_text(errors="replace")
             time.sleep(0.2)
+        assert flower.poll() is None, log.read_text(errors="replace")
         command_line = " ".join(psutil.Process(flower.pid).cmdline())
     finally:
         flower.terminate()
         flower.wait(timeout=30)
     assert "flower" in command_line
     assert secret not in command_line
+    assert b"Broker: redis://:***@127.0.0.1:6399/0" in log.read_bytes()
     assert secret.encode() not in log.read_bytes()
     _no_jobs_row("credentials in output")

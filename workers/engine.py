@@ -293,10 +293,10 @@ class EngineAdapter:
             on_result(_no_output(request.job_id, prompt_tokens, "aborted in the engine"))
             return
         first = completions[0]
-        choices = tuple(_choice(completion, params.logprobs) for completion in completions)
-        if len(choices) == 1 and params.logprobs is None and choices[0].stop_reason is None:
-            # The text alone says it all: no frame to store.
-            choices = ()
+        # An answer whose text says it all keeps no choices: nothing more is stored for it.
+        choices = (tuple(_choice(completion, params.logprobs) for completion in completions)
+                   if len(completions) > 1 or params.logprobs is not None
+                   or first.stop_reason is not None else ())
         on_result(EngineResult(request.job_id, first.text, None, prompt_tokens,
                                sum(len(c.token_ids) for c in completions),
                                final.num_cached_tokens or 0, time.time(), first.finish_reason,

@@ -322,7 +322,7 @@ def _outcome(ending: str, row: OutputRow) -> Outcome:
         return Answer(row.job_id or "", row.answer, row.prompt_tokens or 0,
                       row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
                       _seconds(row.finished_at), row.finish_reason, row.choices(),
-                      row.sampling.get("logprobs"), row.sampling,
+                      row.sampling,
                       created_cache_tokens=row.created_cache_tokens)
     if row.status == JobStatus.FAILED.value:
         return Failed(row.job_error or "the job failed")

@@ -44,9 +44,6 @@ class Answer:
     # Every choice, when the job asked for several or for log probabilities; else the text
     # is the one choice.
     choices: tuple[Choice, ...] = ()
-    # The most likely alternatives per token the request asked log probabilities for (None:
-    # no log probabilities).
-    top_logprobs: int | None = None
     # The job's sampling as stored, for a response that gives the request's settings back.
     sampling: Mapping[str, Any] = field(default_factory=dict)
     # Each choice's answer read as tool calls, by index, when the request's tools make calls
@@ -54,6 +51,13 @@ class Answer:
     tool_answers: tuple[ToolAnswer, ...] = ()
     # Prompt tokens the request wrote into the engine's prefix cache (None: not recorded).
     created_cache_tokens: int | None = None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """The most likely alternatives per token the request asked log probabilities for
+        (None: no log probabilities), as its job's sampling holds it."""
+        value = self.sampling.get("logprobs")
+        return None if value is None else int(value)
 
     @property
     def finish_reason(self) -> str:

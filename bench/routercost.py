@@ -70,7 +70,7 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
             write_heartbeat(client, Heartbeat(
                 shard=shard, worker=f"shard{shard}@bench", host="bench", pid=os.getpid(),
                 up_s=1.0, engine_ready=True, messages_in_flight=0, last_message_finished_s=None,
-                metrics_port=None))
+                metrics_port=None, task=settings.task, models=[settings.served_model_name]))
         rng = random.Random(shards)
         documents = [tuple(rng.randrange(4000) for _ in range(1500)) for _ in range(1024)]
         router = make_router(client, LoadLedger(client), settings)
@@ -81,7 +81,7 @@ def measure(shards: int, submits: int, policy: str) -> dict[str, Any]:
             for jobs in measured:
                 router.route(jobs)
         with _Counted(client) as live_read:
-            live = LiveShards(client, shards).shards()
+            live = LiveShards(client, shards).shards(settings.served_model_name).shards
         if len(live) != shards:
             raise RuntimeError(f"{len(live)} of the {shards} shards read as live")
         return {"policy": policy, "shards": shards,

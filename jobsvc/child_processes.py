@@ -66,10 +66,17 @@ class LocalWorkers:
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
         """Start every worker and return once each answers a ping; WorkerStartError if one exits or
         the startup timeout passes first."""
+        self.spawn()
+        self.wait_ready(progress)
+
+    def spawn(self) -> None:
+        """Start every worker's process without waiting for it (`wait_ready` does), so that
+        several groups' engines start at once."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **settings_environment(self.settings)}
         for shard, device in zip(self.shards, self._devices, strict=True):
-            command = [sys.executable, "-m", "jobsvc", "worker", "--shard", str(shard)]
+            command = [sys.executable, "-m", "jobsvc", "worker", "--shard", str(shard),
+                       "--parent-pid", str(os.getpid())]
             if device:
                 command += ["--device", device]
             with self.log_path(shard).open("wb") as log:
@@ -78,9 +85,10 @@ class LocalWorkers:
                 self.processes.append(subprocess.Popen(
                     command, env=env, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True))
-        self._wait_ready(progress)
 
-    def _wait_ready(self, progress: Callable[[str], None]) -> None:
+    def wait_ready(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Return once every spawned worker answers a ping; WorkerStartError if one exits or
+        the startup timeout passes first."""
         app: Celery = make_celery(self.settings)
         expected = {f"shard{shard}@" for shard in self.shards}
         started = time.monotonic()
@@ -112,9 +120,7 @@ class LocalWorkers:
 
     def stop(self, timeout: float = 60) -> None:
         """Warm shutdown (SIGTERM lets running batches finish), then SIGKILL what remains."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        self.ask_to_stop()
         deadline = time.monotonic() + timeout
         for process in self.processes:
             try:
@@ -123,6 +129,13 @@ class LocalWorkers:
                 process.kill()
                 process.wait()
         self.processes.clear()
+
+    def ask_to_stop(self) -> None:
+        """Ask every worker for a warm shutdown without waiting for it (`stop` waits), so that
+        several groups stop at once."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
 
     def __enter__(self) -> LocalWorkers:
         return self

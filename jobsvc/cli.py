@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from jobsvc.console import ProgressBar, configure_logging
 from jobsvc.errors import JobsvcError
 from jobsvc.routing.policies import POLICY_NAMES
-from jobsvc.settings import Settings, masked_url
+from jobsvc.settings import TASKS, Settings, masked_url
 from jobsvc.simulate import add_arguments as add_simulate_arguments
 
 
@@ -29,13 +30,22 @@ def _worker(settings: Settings, args: argparse.Namespace) -> None:
 
     if args.shard < 0:
         raise SystemExit(f"--shard must be 0 or more, got {args.shard}")
-    run_worker(settings, args.shard, args.device)
+    served = {name: value for name, value in (("model", args.model),
+                                              ("served_model_name", args.served_model_name),
+                                              ("task", args.task)) if value is not None}
+    if args.lora is not None:
+        served["loras"] = ",".join(args.lora)
+    if served:
+        settings = replace(settings, **served)
+        settings.validate()
+    run_worker(settings, args.shard, args.device, args.parent_pid)
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> None:
     from jobsvc.demo import run_demo
 
-    run_demo(settings, documents=args.documents, questions=args.questions, words=args.words)
+    run_demo(settings, documents=args.documents, questions=args.questions, words=args.words,
+             second_model=args.second_model)
 
 
 def _bench(settings: Settings, args: argparse.Namespace) -> None:
@@ -161,11 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run the worker of one shard")
     worker.add_argument("--shard", type=int, required=True)
     worker.add_argument("--device", help="GPU index (GPU hosts) or CPU cores such as 0-1")
+    worker.add_argument("--model", help="weights to serve: a folder or a hub name "
+                        "(default JOBSVC_MODEL)")
+    worker.add_argument("--served-model-name", help="the name jobs ask for it by "
+                        "(default JOBSVC_SERVED_MODEL_NAME)")
+    worker.add_argument("--task", choices=TASKS, help="generate answers or embed inputs "
+                        "(default JOBSVC_TASK)")
+    worker.add_argument("--lora", action="append", metavar="NAME=PATH",
+                        help="a LoRA adapter to load and serve under NAME (repeatable; "
+                        "default JOBSVC_LORAS)")
+    worker.add_argument("--parent-pid", type=int, metavar="PID",
+                        help="shut down when the process that started the worker, PID, ends "
+                        "(how the demo, the benchmark and the tests start theirs)")
     worker.set_defaults(run=_worker)
     demo = commands.add_parser("demo", help="run the whole pipeline on this machine")
     demo.add_argument("--documents", type=int, default=8)
     demo.add_argument("--questions", type=int, default=4, help="questions per document")
     demo.add_argument("--words", type=int, default=500, help="words per document")
+    demo.add_argument("--second-model", metavar="PATH_OR_NAME",
+                      help="also serve these weights as a second model, on a shard of its own, "
+                      "and send it every other document")
     demo.set_defaults(run=_demo)
     bench = commands.add_parser(
         "bench", help="service vs standalone vLLM in alternated pairs; JSON on stdout")

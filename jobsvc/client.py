@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from redis.retry import Retry
 
 from jobsvc.console import ProgressBar
 from jobsvc.dispatch import Dispatcher, PreparedJob
+from jobsvc.embeddings import embedding_sampling, input_lengths, is_embedding, split_inputs
 from jobsvc.errors import (
     InvalidJob,
     JobNotFound,
@@ -23,8 +25,8 @@ from jobsvc.errors import (
 )
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.keys import CANCEL_CHANNEL
-from jobsvc.prompts import PromptBuilder
 from jobsvc.routing.ledger import LoadLedger
+from jobsvc.served_models import EMBED, GENERATE, FleetModels, ServedModel
 from jobsvc.settings import Settings
 from jobsvc.store import JobRecord, Store
 from jobsvc.transport import make_celery
@@ -32,7 +34,10 @@ from jobsvc.validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     JobRequest,
+    check_dimensions,
+    check_embedding_prompt,
     check_prompt,
+    embedding_inputs,
     validate_job,
 )
 
@@ -55,11 +60,16 @@ class Client:
             self.settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0), 5),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self._ledger = LoadLedger(self._redis)
-        self._prompts = PromptBuilder(self.settings.model, self.settings.max_model_len)
+        self._models = FleetModels(self._redis, self.settings)
         self._celery = make_celery(self.settings)
         self._dispatcher = Dispatcher(self.settings, self._redis, self._store, self._celery,
                                       self._ledger)
         self._limits = self.settings.job_limits
+
+    @property
+    def models(self) -> FleetModels:
+        """The models the fleet serves, as this producer last read them."""
+        return self._models
 
     def close(self) -> None:
         """Let go of the database pool and the Redis connection."""
@@ -88,18 +98,30 @@ class Client:
         returns that job's ID and records nothing new, so a producer that retries after a
         timeout or a crash never makes a second job."""
         requests: list[JobRequest] = []
+        models: dict[str, ServedModel] = {}
         for index, job in enumerate(jobs):
             with _naming_job(index):
-                requests.append(validate_job(job, self._limits))
+                request = validate_job(job, self._limits)
+                model = self._models.resolve(request.model, GENERATE)
+            requests.append(request)
+            models[model.name] = model
         if not requests:
             return []
-        distinct = list(dict.fromkeys(request.document for request in requests))
-        document_tokens = dict(zip(distinct, self._prompts.documents(distinct), strict=True))
-        question_tokens = self._prompts.questions([request.question for request in requests])
-        return self.submit_prepared([
-            PreparedJob(request.document, document_tokens[request.document], request.question,
-                        tokens, request.sampling, request.idempotency_key)
-            for request, tokens in zip(requests, question_tokens, strict=True)])
+        prepared: dict[int, PreparedJob] = {}
+        for name, model in models.items():
+            # Each model's jobs tokenized by its own tokenizer, each distinct document once.
+            positions = [index for index, request in enumerate(requests)
+                         if (request.model or self.settings.served_model_name) == name]
+            prompts = FleetModels.prompts(model)
+            distinct = list(dict.fromkeys(requests[index].document for index in positions))
+            documents = dict(zip(distinct, prompts.documents(distinct), strict=True))
+            questions = prompts.questions([requests[index].question for index in positions])
+            for index, tokens in zip(positions, questions, strict=True):
+                request = requests[index]
+                prepared[index] = PreparedJob(
+                    request.document, documents[request.document], request.question, tokens,
+                    request.sampling, request.idempotency_key, model=name)
+        return self.submit_prepared([prepared[index] for index in range(len(requests))])
 
     def submit_prepared(self, jobs: Sequence[PreparedJob]) -> list[str]:
         """Submit jobs whose prompts are already tokenized (what `submit_many` and the batch
@@ -129,6 +151,49 @@ class Client:
             taken = self._dispatcher.submit(new, new_ids)
             job_ids = [taken.get(job_id, job_id) for job_id in job_ids]
         return job_ids
+
+    def submit_embeddings(self, inputs: Sequence[str], *, dimensions: int | None = None,
+                          model: str | None = None) -> list[str]:
+        """Submit one embedding job per text (tokenized as vLLM's embeddings endpoint does,
+        with the model's leading special tokens) and return their IDs in input order; each
+        job's vectors come back as `get(job_id).embeddings`, one vector. `dimensions` cuts the
+        vectors of a Matryoshka model; `model` names an embedding model the fleet serves
+        (None: JOBSVC_SERVED_MODEL_NAME). All are checked before any is recorded."""
+        texts = [] if isinstance(inputs, str) else list(inputs)
+        if isinstance(inputs, str) or not all(isinstance(text, str) for text in texts):
+            raise InvalidJob("inputs must be a sequence of texts", "inputs")
+        jobs = []
+        for index, text in enumerate(texts):
+            field = f"inputs[{index}]"
+            one = embedding_inputs(text, self._limits.max_document_chars, field=field)
+            jobs.append(self.prepare_embedding(one, dimensions=dimensions, model=model,
+                                               field=field))
+        return self.submit_prepared(jobs) if jobs else []
+
+    def prepare_embedding(self, inputs: Sequence[str | Sequence[int]], *,
+                          dimensions: int | None = None, encoding_format: str = "float",
+                          model: str | None = None, idempotency_key: str | None = None,
+                          field: str = "input") -> PreparedJob:
+        """One embedding job of these inputs (as `validation.embedding_inputs` gives them:
+        texts, tokenized here with the model's leading special tokens, or token IDs taken as
+        they are), each checked against the model, for `submit_prepared`. InvalidJob names
+        `field` (or `field[index]`), `dimensions` or `model`."""
+        served = self._models.resolve(model, EMBED)
+        prompts = FleetModels.prompts(served)
+        if dimensions is not None:
+            check_dimensions(dimensions, prompts.matryoshka)
+        encoded = iter(prompts.encode([item for item in inputs if isinstance(item, str)],
+                                      special=True))
+        tokens = [next(encoded) if isinstance(item, str) else list(item) for item in inputs]
+        check_embedding_prompt(tokens, prompts.context_length, prompts.vocabulary_size,
+                               field=field)
+        # The document's text is what the job asked: its one text, else its inputs as JSON.
+        text = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], str) else json.dumps(
+            [item if isinstance(item, str) else list(item) for item in inputs])
+        return PreparedJob(text, [token for ids in tokens for token in ids], "", (),
+                           embedding_sampling([len(ids) for ids in tokens], dimensions,
+                                              encoding_format),
+                           idempotency_key, model=served.name)
 
     def get(self, job_id: str) -> JobRecord:
         """The job `job_id` as the store holds it; JobNotFound if there is none."""
@@ -235,11 +300,22 @@ class Client:
         return [job_id for job_id in job_ids if not statuses[job_id].finished]
 
     def _check_prompts(self, jobs: Sequence[PreparedJob]) -> None:
-        context, vocabulary = self._prompts.context_length, self._prompts.vocabulary_size
+        """Each job's model is served by the fleet and answers the job's task, and its prompt
+        fits that model."""
         for index, job in enumerate(jobs):
             with _naming_job(index):
-                check_prompt(job.prompt_tokens, job.sampling, context, vocabulary,
-                             prompt_field="document")
+                embedding = is_embedding(job.sampling)
+                prompts = FleetModels.prompts(
+                    self._models.resolve(job.model, EMBED if embedding else GENERATE))
+                if not embedding:
+                    check_prompt(job.prompt_tokens, job.sampling, prompts.context_length,
+                                 prompts.vocabulary_size, prompt_field="document")
+                    continue
+                try:
+                    inputs = split_inputs(job.prefix_tokens, input_lengths(job.sampling))
+                except ValueError as error:
+                    raise InvalidJob(str(error), "sampling") from None
+                check_embedding_prompt(inputs, prompts.context_length, prompts.vocabulary_size)
 
 
 @contextmanager

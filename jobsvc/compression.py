@@ -87,16 +87,17 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def unpack_tokens(frame: bytes) -> tuple[int, ...]:
-    """The token IDs of a frame from `pack_tokens`; anything else raises TokenFrameError. A
-    tuple, which the garbage collector stops tracking once it has met it (a list it would
-    walk at every collection while the document is in use)."""
+    """The token IDs of a frame from `pack_tokens` (none, for an embedding job's empty
+    question); anything else raises TokenFrameError. A tuple, which the garbage collector
+    stops tracking once it has met it (a list it would walk at every collection while the
+    document is in use)."""
     try:
         data = decompress(frame)
     except (zstandard.ZstdError, FrameTooLarge) as error:
         raise TokenFrameError(f"not a readable zstd frame ({error})") from None
     kind, body = data[:1], data[1:]
     width = _TOKEN_WIDTHS.get(kind)
-    if width is None or not body or len(body) % width:
+    if width is None or len(body) % width:
         raise TokenFrameError(f"not a token frame: type {kind!r}, {len(body)} bytes of IDs")
     ids = array(kind.decode())
     ids.frombytes(body)

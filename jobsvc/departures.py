@@ -94,8 +94,12 @@ class ShardMover:
         those enqueued more than `waited_s` seconds ago, if given) again to live shards;
         returns how many moved."""
         enqueued_before = None if waited_s is None else utcnow() - timedelta(seconds=waited_s)
+        # Jobs of a model no live worker serves wait where they are: they are not even read.
+        models = self._dispatcher.live_models(self._store.active_by_model(shard))
+        if not models:
+            return 0
         jobs = self._store.jobs_on_shard(shard, unclaimed_only=unclaimed_only,
-                                         enqueued_before=enqueued_before,
+                                         enqueued_before=enqueued_before, models=models,
                                          limit=MOST_JOBS_PER_MOVE)
         if not jobs:
             return 0

@@ -16,13 +16,14 @@ given back to the ledger.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 from celery import Celery
 
+from jobsvc.embeddings import is_embedding
 from jobsvc.errors import (
     BROKER_ERRORS,
     STORAGE_ERRORS,
@@ -39,8 +40,10 @@ from jobsvc.routing.job_cost import (
     loads_per_shard,
 )
 from jobsvc.routing.ledger import LoadLedger
-from jobsvc.routing.prefix import DocumentKeys, document_keys
+from jobsvc.routing.live import NoLiveShard
+from jobsvc.routing.prefix import DocumentKeys, adapted, document_keys, unrouted
 from jobsvc.routing.router import Router, make_router
+from jobsvc.served_models import FleetModels
 from jobsvc.settings import Settings
 from jobsvc.store import MovableJob, NewDocument, NewJob, Store
 from jobsvc.transport import publish
@@ -55,7 +58,8 @@ class PreparedJob:
     rendered request that other requests share), stored once however many jobs run on it,
     and the job's own suffix, both already tokenized; the engine runs prefix + suffix.
     `question` is kept in the job's record as what it asked (the suffix's text for requests
-    of a batch file). `idempotency_key`: see `Client.submit_many`."""
+    of a batch file). `idempotency_key`: see `Client.submit_many`. An embedding job's prefix is
+    its inputs' tokens, its suffix empty (`jobsvc.embeddings`)."""
 
     prefix: str
     prefix_tokens: Sequence[int]
@@ -63,6 +67,8 @@ class PreparedJob:
     suffix_tokens: Sequence[int]
     sampling: dict[str, Any]
     idempotency_key: str | None = None
+    # The served model or LoRA adapter that runs it (`jobsvc.served_models`).
+    model: str = field(kw_only=True)
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,6 +101,7 @@ class Dispatcher:
         self._celery = celery
         self._ledger = ledger
         self._router = make_router(client, ledger, settings)
+        self._models = FleetModels(client, settings)
 
     def submit(self, jobs: Sequence[PreparedJob], job_ids: Sequence[str]) -> dict[str, str]:
         """Route, record and publish new jobs under these IDs. Returns, for jobs whose
@@ -112,10 +119,10 @@ class Dispatcher:
         cost = self._settings.routing_decode_cost
         with translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
             routed = self._route(self._router, job_ids, [
-                RoutingJob(prefix, job.prompt_tokens,
-                           decode_load(answer_tokens(job.sampling), cost))
+                RoutingJob(self._routing_keys(prefix, job.model, is_embedding(job.sampling)),
+                           job.prompt_tokens, decode_load(answer_tokens(job.sampling), cost))
                 for job, prefix in zip(jobs, prefix_keys, strict=True)],
-                [prefix.document_key for prefix in prefix_keys])
+                [prefix.document_key for prefix in prefix_keys], [job.model for job in jobs])
         # routes --> messages
         messages = form_messages(routed.placed, self._settings.batch_size)
         # messages --> store
@@ -153,14 +160,19 @@ class Dispatcher:
         if asked), then publish. Returns the new shard of each job moved."""
         # A router of its own reads the live set afresh: the shard has just left it.
         router = make_router(self._redis, self._ledger, self._settings)
+        # A job whose model no live worker serves stays, waiting for one.
+        live = _live_models(router, {job.model for job in jobs})
+        jobs = [job for job in jobs if job.model in live]
+        if not jobs:
+            return {}
         cost = self._settings.routing_decode_cost
         # Jobs on one document share its keys: each document is hashed once.
-        keys = {job.document_key: _routing_keys(job, self._settings.block_size)
+        keys = {job.document_key: _stored_keys(job, self._settings.block_size)
                 for job in jobs}
         routed = self._route(router, [job.job_id for job in jobs], [
-            RoutingJob(keys[job.document_key], job.prompt_tokens,
-                       decode_load(job.answer_tokens, cost))
-            for job in jobs], [job.document_key for job in jobs])
+            RoutingJob(self._routing_keys(keys[job.document_key], job.model, job.by_load),
+                       job.prompt_tokens, decode_load(job.answer_tokens, cost))
+            for job in jobs], [job.document_key for job in jobs], [job.model for job in jobs])
         messages = form_messages([placed for placed in routed.placed if placed.shard != shard],
                                  self._settings.batch_size)
         route_of = {placed.job_id: route for placed, route
@@ -193,11 +205,25 @@ class Dispatcher:
 
     @staticmethod
     def _route(router: Router, job_ids: Sequence[str], jobs: Sequence[RoutingJob],
-               documents: Sequence[str]) -> _Routed:
-        """Pick the jobs' shards, charging them; `documents`: each job's document key."""
-        routes = router.route(jobs)
+               documents: Sequence[str], models: Sequence[str]) -> _Routed:
+        """Pick the jobs' shards among their models', charging them; `documents`: each job's
+        document key, `models`: each job's model."""
+        route_at: dict[int, Route] = {}
+        for model in dict.fromkeys(models):
+            positions = [index for index, name in enumerate(models) if name == model]
+            route_at.update(zip(positions, router.route([jobs[i] for i in positions], model),
+                                strict=True))
+        routes = [route_at[index] for index in range(len(jobs))]
         return _Routed([PlacedJob(job_id, route.shard, key) for job_id, route, key
                         in zip(job_ids, routes, documents, strict=True)], routes)
+
+    def _routing_keys(self, keys: DocumentKeys, model: str, by_load: bool) -> DocumentKeys:
+        """What routes a job: its prompt's blocks, taken again under its adapter's name if it
+        names a LoRA adapter; nothing but its load for a job routed by load."""
+        if by_load:
+            return unrouted(keys.document_key)
+        served = self._models.models().get(model)
+        return adapted(keys, model) if served is not None and served.base else keys
 
     def _give_back(self, charges: dict[int, int]) -> None:
         """Give back what routing charged for jobs that were not kept; if Redis is gone too,
@@ -207,13 +233,28 @@ class Dispatcher:
         except BROKER_ERRORS as error:
             log.warning("could not give back the load of jobs not kept %s: %s", charges, error)
 
+    def live_models(self, models: Iterable[str]) -> set[str]:
+        """Those of `models` that a live worker, not draining, serves now (read afresh)."""
+        return _live_models(make_router(self._redis, self._ledger, self._settings), models)
 
-def _routing_keys(job: MovableJob, block_size: int) -> DocumentKeys:
+
+def _live_models(router: Router, models: Iterable[str]) -> set[str]:
+    live: set[str] = set()
+    for model in models:
+        try:
+            if router.model_shards(model).live:
+                live.add(model)
+        except NoLiveShard:
+            continue
+    return live
+
+
+def _stored_keys(job: MovableJob, block_size: int) -> DocumentKeys:
     """The job's document keys as its producer made them; a document kept only as text (or
     not readable) is routed by its key alone, which costs at most a cache miss."""
     if isinstance(job.document, tuple):
         return document_keys(job.document, block_size)
-    return DocumentKeys(job.document_key, job.document_key, 0, ())
+    return unrouted(job.document_key)
 
 
 def _submitted(jobs: Sequence[PreparedJob], prefix_keys: Sequence[DocumentKeys],
@@ -228,7 +269,8 @@ def _submitted(jobs: Sequence[PreparedJob], prefix_keys: Sequence[DocumentKeys],
                  for key, job in prefixes.items()]
     new_jobs = [NewJob(
         job_id=placed.job_id, document_key=placed.document_key, question=job.question,
-        question_tokens=job.suffix_tokens, sampling=job.sampling, shard=placed.shard,
+        question_tokens=job.suffix_tokens, sampling=job.sampling, model=job.model,
+        shard=placed.shard,
         prompt_tokens=job.prompt_tokens, estimated_prefill=route.estimated_prefill,
         load=route.load, message_id=message_of[placed.job_id],
         idempotency_key=job.idempotency_key,

@@ -22,7 +22,7 @@ from jobsvc.keys import (
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_VERSION = 1
+HEARTBEAT_VERSION = 2
 # How often a worker writes its heartbeat.
 HEARTBEAT_SECONDS = 5.0
 # A worker whose last heartbeat is older than this (three missed) counts as gone.
@@ -53,6 +53,10 @@ class Heartbeat:
     last_message_finished_s: float | None
     # Where the worker serves /metrics; None when it serves none.
     metrics_port: int | None
+    # What its engine does (`generate` or `embed`), and the names it serves: its model's,
+    # then its LoRA adapters'.
+    task: str
+    models: list[str]
     # The worker shut down (warm shutdown); its last record says so.
     stopped: bool = False
 
@@ -88,6 +92,10 @@ class SeenWorker:
     def alive(self) -> bool:
         """The worker has not said it stopped and was heard from within ALIVE_SECONDS."""
         return not self.heartbeat.stopped and self.age_s <= ALIVE_SECONDS
+
+    def serves(self, model: str) -> bool:
+        """Alive and serving `model` (a model's served name or an adapter's)."""
+        return self.alive and model in self.heartbeat.models
 
     @property
     def healthy(self) -> bool:

@@ -85,6 +85,10 @@ def _shard_after(prefix: str, key: bytes | str) -> int | None:
 # Shards an operator is taking out of service (`jobsvc drain`): a set of shard numbers that
 # routers leave out and whose workers stop once their work is done.
 DRAINING_KEY = "jobsvc:draining"
+# Every model and adapter a worker ever served, by name (`jobsvc.served_models`), and the names
+# each shard served last.
+MODELS_KEY = "jobsvc:models"
+SHARD_MODELS_KEY = "jobsvc:shard-models"
 # Shards found dead whose routing state (affinity entries, load, cache estimate) has been
 # forgotten; a worker that starts (or is seen alive again) under such a number takes it out.
 DEPARTED_KEY = "jobsvc:departed"

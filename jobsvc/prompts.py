@@ -75,6 +75,20 @@ class PromptBuilder:
                 f"cannot tell the context length of {self._model!r}; set JOBSVC_MAX_MODEL_LEN")
         return int(length)
 
+    @cached_property
+    def matryoshka(self) -> Sequence[int] | None:
+        """The dimensions an embedding model can cut its vectors to, as its configuration
+        says, where vLLM reads it: the `matryoshka_dimensions` listed, else every size up to
+        the vectors' own for a model marked `is_matryoshka`; None for a model that is no
+        Matryoshka model (the engine refuses `dimensions` on it)."""
+        config = self._config
+        if listed := config.get("matryoshka_dimensions"):
+            return [int(size) for size in listed]
+        if config.get("is_matryoshka"):
+            size = config.get("embedding_size") or config.get("hidden_size")
+            return range(1, int(size) + 1) if size else None
+        return None
+
     def encode(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
         """Token IDs of each text as it is, with the model's leading special tokens or not."""
         return self._tokenizer.encode_many(list(texts), special=special)

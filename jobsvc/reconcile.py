@@ -103,8 +103,8 @@ class Reconciler:
         if not lock.acquire():
             return RoundReport()
         try:
-            moved = self._move_off_dead_shards()
-            return RoundReport(self._requeue_stranded(), self._correct_load(), moved)
+            moved, dead = self._move_off_dead_shards()
+            return RoundReport(self._requeue_stranded(dead), self._correct_load(), moved)
         finally:
             try:
                 lock.release()
@@ -114,17 +114,20 @@ class Reconciler:
                 log.warning("a reconciliation round outlasted its %d s lock",
                             RECONCILE_LOCK_SECONDS)
 
-    def _move_off_dead_shards(self) -> int:
+    def _move_off_dead_shards(self) -> tuple[int, set[int]]:
+        """Move the jobs of dead shards to live shards serving their models; returns how many
+        moved, and the dead shards (jobs whose model no live worker serves wait there)."""
         workers = read_heartbeats(self._redis)
         rejoin_alive(self._redis, workers)
         try:
             live = live_shard_ids(workers, read_draining(self._redis), self._settings.shards)
         except NoLiveShard:
-            return 0
+            return 0, set()
         timeout = self._settings.shard_timeout
         silences = read_silences(self._redis, workers, self._store.active_load())
         moved = 0
-        for shard in sorted(dead_shards(silences, live, timeout, own=self._own_shard)):
+        dead = dead_shards(silences, live, timeout, own=self._own_shard)
+        for shard in sorted(dead):
             # Jobs on a shard no worker ever reported for may have been routed there a moment
             # ago (producers assume the configured shards until one reports): they wait a
             # timeout too.
@@ -134,7 +137,7 @@ class Reconciler:
             # Its messages now match no job (a job still there moves in a later round), and
             # nothing consumes them: an empty queue is not taken for work waiting.
             self._redis.delete(queue_name(shard))
-        return moved
+        return moved, dead
 
     def _live_messages(self, shards: Iterable[int]) -> set[str]:
         with self._redis.pipeline(transaction=True) as pipe:
@@ -144,15 +147,18 @@ class Reconciler:
             replies = pipe.execute()
         return message_ids(raw for reply in replies for raw in reply)
 
-    def _requeue_stranded(self) -> int:
+    def _requeue_stranded(self, dead: set[int]) -> int:
+        """Send again the jobs of live shards whose messages Redis lost (a dead shard's jobs
+        are the mover's)."""
         sent_before = utcnow() - timedelta(seconds=self._settings.stranded_grace)
-        shards = set(range(self._settings.shards)) | set(self._store.active_load())
+        shards = (set(range(self._settings.shards)) | set(self._store.active_load())) - dead
         live = self._live_messages(shards)
-        if not self._store.stranded_jobs(sent_before, live, 1):
+        if not self._store.stranded_jobs(sent_before, live, 1, skipped=dead):
             return 0
         time.sleep(_SECOND_LOOK_SECONDS)
         live |= self._live_messages(shards)
-        stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND)
+        stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND,
+                                             skipped=dead)
         count = self._dispatcher.requeue(stranded)
         if not count:
             return 0

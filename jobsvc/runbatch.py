@@ -17,6 +17,7 @@ from jobsvc.batchapi.lines import ENDPOINTS, split_lines
 from jobsvc.batchapi.output_lines import jsonl, vllm_line
 from jobsvc.console import ProgressBar
 from jobsvc.errors import JobsvcError
+from jobsvc.served_models import FleetModels
 from jobsvc.server.services import Services
 from jobsvc.settings import Settings
 from jobsvc.store.batches import COMPLETION_WINDOW, UNFINISHED, BatchRecord, BatchStore
@@ -90,7 +91,7 @@ def run_batch(settings: Settings, input_path: Path, output_path: Path,
         if batch.status == "failed":
             listed = "; ".join(error["message"] for error in batch.errors or [])
             raise BatchFileError(f"{input_path} is not a valid batch file: {listed}")
-        _write_output(services.batches, batch, settings, output_path)
+        _write_output(services.batches, batch, services.client.models, output_path)
         return batch
     finally:
         services.close()
@@ -108,12 +109,12 @@ def _drive(driver: BatchDriver, batches: BatchStore, batch: BatchRecord,
         time.sleep(_ROUND_SECONDS)
 
 
-def _write_output(batches: BatchStore, batch: BatchRecord, settings: Settings,
+def _write_output(batches: BatchStore, batch: BatchRecord, models: FleetModels,
                   output_path: Path) -> None:
     ending = batch.status
     with output_path.open("wb") as output:
         for rows in batches.output_pages(batch.id):
             for row in rows:
-                line = file_line(batch.id, ending, row, tokenizer_model=settings.model)[1]
-                output.write(jsonl(vllm_line(line, endpoint=batch.endpoint,
-                                             model=settings.served_model_name)))
+                model = models.described(row.model)
+                line = file_line(batch.id, ending, row, tokenizer_model=model.weights)[1]
+                output.write(jsonl(vllm_line(line, endpoint=batch.endpoint, model=model.name)))

@@ -22,6 +22,8 @@ TINY_MODEL = Path(__file__).resolve().parent.parent / "ops" / "tiny-llama"
 EMBEDDED_DATABASE_URL = "sqlite:///jobsvc.db"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# What a worker's engine may do: answer prompts, or embed them as a pooling model.
+TASKS = ("generate", "embed")
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,12 @@ class Settings:
     # Seconds a client may leave a request body waiting before the server gives up on it.
     body_read_timeout: int = 30
     served_model_name: str = "jobsvc"
+    # What a worker's engine does (`jobsvc worker --task`): `generate` answers prompts, `embed`
+    # runs the model as a pooling model and answers embedding requests.
+    task: str = "generate"
+    # LoRA adapters a generating worker loads at start and serves under their names, as
+    # `NAME=PATH` pairs separated by commas (`jobsvc worker --lora NAME=PATH`, repeatable).
+    loras: str = ""
     # How long a batch may run before it expires (OpenAI's "24h"); shorter only in tests.
     batch_window_seconds: int = 86_400
     # Seconds a server's claim on driving a batch lasts unless renewed (it renews every
@@ -216,6 +224,29 @@ class Settings:
                                      "port that leaves room for one port per shard above it")
         if self.tool_call_parser:
             _check_tool_call_parser(self.tool_call_parser)
+        if self.task not in TASKS:
+            raise ConfigurationError(f"JOBSVC_TASK={self.task!r} is not one of "
+                                     f"{', '.join(TASKS)}")
+        adapters = self.lora_modules
+        if adapters and self.task != "generate":
+            raise ConfigurationError("JOBSVC_LORAS: LoRA adapters are served by generating "
+                                     "workers only")
+        if self.served_model_name in adapters:
+            raise ConfigurationError(f"JOBSVC_LORAS: adapter name {self.served_model_name!r} "
+                                     "is the served model's own name")
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """JOBSVC_LORAS as adapter name -> path, in the order given."""
+        modules: dict[str, str] = {}
+        for pair in filter(None, (part.strip() for part in self.loras.split(","))):
+            name, _, path = pair.partition("=")
+            name, path = name.strip(), path.strip()
+            if not name or not path or name in modules:
+                raise ConfigurationError(f"JOBSVC_LORAS: {pair!r} is not NAME=PATH with a "
+                                         "name of its own")
+            modules[name] = path
+        return modules
 
 
 def _check_tool_call_parser(name: str) -> None:

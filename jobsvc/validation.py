@@ -18,7 +18,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,8 @@ MAX_BIASED_TOKENS = 1024
 MAX_LOGPROB_ENTRIES = 1 << 18
 # The store's column for a job's idempotency key is this long.
 MAX_IDEMPOTENCY_KEY_CHARS = 128
+# The longest name of a served model or adapter a job may ask for.
+MAX_MODEL_NAME_CHARS = 200
 # What PostgreSQL's text and the tokenizer refuse: NUL, and UTF-16 surrogates that pair with
 # nothing (a JSON escape such as "\ud800" decodes to one).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -401,14 +403,16 @@ def _check_min_tokens(sampling: Mapping[str, Any]) -> None:
         raise InvalidJob("min_tokens must not exceed max_tokens", "min_tokens")
 
 
-def _check_text(name: str, value: Any, limit: int) -> str:
+def _check_text(name: str, value: Any, limit: int, *, setting: str | None = None) -> str:
+    """Storable text, not blank, of at most `limit` characters (the `setting` that sets it:
+    JOBSVC_MAX_<NAME>_CHARS unless given)."""
     if not isinstance(value, str):
         raise InvalidJob(f"{name} must be text (str), got {type(value).__name__}", name)
     if not value.strip():
         raise InvalidJob(f"{name} is empty; give it some text", name)
     if len(value) > limit:
         raise InvalidJob(f"{name} has {len(value)} characters, over the limit of {limit} "
-                         f"(JOBSVC_MAX_{name.upper()}_CHARS)", name)
+                         f"({setting or f'JOBSVC_MAX_{name.upper()}_CHARS'})", name)
     if fault := text_fault(value):
         raise InvalidJob(f"{name} contains {fault}; remove it", name)
     return value
@@ -433,6 +437,8 @@ class JobRequest:
     question: str
     sampling: dict[str, Any]
     idempotency_key: str | None = None
+    # The served model or adapter it names; None: the settings' served model.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -453,12 +459,13 @@ class JobLimits:
 
 def validate_job(job: Any, limits: JobLimits) -> JobRequest:
     """Check one job as `Client.submit_many` takes it: a mapping of `document`, `question`, an
-    optional `idempotency_key` and sampling keys, the defaults filled in. The prompt's length
-    needs the tokenizer and is checked later (`check_prompt`)."""
+    optional `idempotency_key`, an optional `model` and sampling keys, the defaults filled in.
+    The prompt's length needs the tokenizer and is checked later (`check_prompt`)."""
     if not isinstance(job, Mapping):
         raise InvalidJob(f"expected a mapping, got {type(job).__name__}")
     fields = dict(job)
     key = _check_idempotency_key(fields.pop("idempotency_key", None))
+    model = check_model_name(fields.pop("model", None))
     document = _check_text("document", fields.pop("document", None), limits.max_document_chars)
     question = _check_text("question", fields.pop("question", None), limits.max_question_chars)
     sampling = check_sampling({"max_tokens": DEFAULT_MAX_TOKENS,
@@ -471,7 +478,20 @@ def validate_job(job: Any, limits: JobLimits) -> JobRequest:
     if encoded > limits.max_job_bytes:
         raise InvalidJob(f"job is {encoded} bytes encoded (question and sampling), over the "
                          f"limit of {limits.max_job_bytes} (JOBSVC_MAX_JOB_BYTES)")
-    return JobRequest(document, question, sampling, key)
+    return JobRequest(document, question, sampling, key, model)
+
+
+def check_model_name(model: Any) -> str | None:
+    """A job's `model`: None, or a name of at most MAX_MODEL_NAME_CHARS characters (whether
+    the fleet serves it is `jobsvc.served_models`' to say)."""
+    if model is None:
+        return None
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
+        raise InvalidJob(f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters",
+                         "model")
+    if fault := text_fault(model):
+        raise InvalidJob(f"model contains {fault}; remove it", "model")
+    return model
 
 
 def _check_logprob_entries(sampling: Mapping[str, Any]) -> None:
@@ -509,3 +529,89 @@ def check_prompt(prompt_tokens: int, sampling: Mapping[str, Any], context: int,
             "max_tokens", prompt_field if prompt_tokens >= context else "max_tokens")
     _check_min_tokens(sampling)
     _check_logprob_entries(sampling)
+
+
+# Most inputs one embedding request may give (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+def embedding_inputs(value: Any, max_chars: int, *, field: str = "input"
+                     ) -> list[str | list[int]]:
+    """The inputs an embedding request gives, as OpenAI's `input` takes them: one string, a
+    list of strings, one list of token IDs, or a list of such lists; at most
+    MAX_EMBEDDING_INPUTS, none empty, each string storable text, not blank, of at most
+    `max_chars` characters. Token IDs against the model's vocabulary and every input's length
+    against its context are checked once tokenized (`check_embedding_prompt`)."""
+    one_tokens = isinstance(value, list) and value and all(_is_token_id(item) for item in value)
+    single = isinstance(value, str) or bool(one_tokens)
+    if single:
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidJob(f"{field} must be a string, a list of strings, a list of token IDs "
+                         "or a list of lists of token IDs, and not empty", field)
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise InvalidJob(f"{field} holds {len(value)} inputs, over the limit of "
+                         f"{MAX_EMBEDDING_INPUTS}", field)
+    inputs: list[str | list[int]] = []
+    for index, item in enumerate(value):
+        name = field if single else f"{field}[{index}]"
+        if isinstance(item, str):
+            inputs.append(_check_text(name, item, max_chars,
+                                      setting="JOBSVC_MAX_DOCUMENT_CHARS"))
+        elif isinstance(item, list) and item and all(_is_token_id(token) for token in item):
+            inputs.append(list(item))
+        else:
+            raise InvalidJob(f"{name} must be a non-empty string or a non-empty list of token "
+                             "IDs (non-negative integers)", name)
+        if type(inputs[-1]) is not type(inputs[0]):
+            raise InvalidJob(f"{name}: the inputs must be all strings or all lists of token "
+                             "IDs", name)
+    return inputs
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
+def check_encoding_format(value: Any, *, field: str = "encoding_format") -> str:
+    """How an embedding request asks its vectors written: `float` (the default) or `base64`."""
+    if value is None:
+        return "float"
+    if value not in ("float", "base64"):
+        raise InvalidJob(f"{field} must be 'float' or 'base64', got {value!r}", field)
+    return str(value)
+
+
+def check_dimensions(value: Any, supported: Sequence[int] | None, *,
+                     field: str = "dimensions") -> int:
+    """An embedding request's `dimensions`: a positive integer the model can cut its vectors
+    to. `supported` is what the model's configuration says (`PromptBuilder.matryoshka`):
+    None for a model that is no Matryoshka model, whose engine refuses any."""
+    _in_range(field, value, 1, 1 << 20, integer=True)
+    if supported is None:
+        raise InvalidJob(f"{field}: the model does not support Matryoshka embeddings, so its "
+                         "vectors cannot be cut; leave dimensions out", field)
+    if value not in supported:
+        listed = (f"from 1 to {supported[-1]}" if isinstance(supported, range)
+                  else f"one of {sorted(supported)}")
+        raise InvalidJob(f"{field} must be {listed} for this model, got {value}", field)
+    return int(value)
+
+
+def check_embedding_prompt(inputs: Sequence[Sequence[int]], context: int, vocabulary: int, *,
+                           field: str = "input") -> None:
+    """Check a tokenized embedding job against the model: each input holds at least one token,
+    every token is of the model's `vocabulary` (its size), and each input, run as a request of
+    its own, fits the `context` (ContextExceeded). A single input is named `field`, each of
+    several `field[index]`."""
+    for index, tokens in enumerate(inputs):
+        name = field if len(inputs) == 1 else f"{field}[{index}]"
+        if not tokens:
+            raise InvalidJob(f"{name} holds no tokens", name)
+        outside = [token for token in tokens if not 0 <= token < vocabulary]
+        if outside:
+            raise InvalidJob(f"{name} holds token {outside[0]}, outside the model's vocabulary "
+                             f"of {vocabulary} tokens", name)
+        if len(tokens) > context:
+            raise ContextExceeded(f"{name} is {len(tokens)} tokens long, over the model's "
+                                  f"context of {context} tokens; shorten it", name)

@@ -48,12 +48,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
 
 
-# Test modules with servers or workers of their own (private servers, or commands that start
-# their own workers). A run split over processes (pytest-xdist, as the default options ask)
-# runs these beside the rest, mostly waiting as they do on timeouts and restarts; every other
-# test shares the session's worker, database and Redis, so all of those run in one process.
+# Test modules with servers and workers of their own. A run split over processes
+# (pytest-xdist, as the default options ask) runs these beside the rest, mostly waiting as they
+# do on timeouts and restarts; every other test (among them modules that also start workers of
+# their own, left there so that both processes take about as long) runs in one process, as
+# the tests sharing the session's worker, database and Redis must.
 PRIVATE_SERVER_MODULES = frozenset({"test_faults.py", "test_liveness_faults.py",
-                                    "test_server_faults.py", "test_terminal.py"})
+                                    "test_server_faults.py", "test_model_fleet.py"})
 
 
 class _ByServers(LoadScopeScheduling):

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
 
-from jobsvc.errors import ConfigurationError
+from jobsvc.errors import ConfigurationError, translated
 from jobsvc.health import SeenWorker, read_heartbeat
 from jobsvc.keys import queue_name
 from jobsvc.settings import Settings
+from jobsvc.store import Store
 from jobsvc.workers.engine import is_cpu_build
+from jobsvc.workers.engine_reaper import signal_on_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +163,49 @@ def refuse_held_shard(settings: Settings, shard: int) -> None:
             "unused shard number, or stop that one first")
 
 
-def run_worker(settings: Settings, shard: int, device: str | None) -> None:
-    """Run the worker of `shard` until it stops, with its device bound before vLLM is imported;
-    exits with Celery's code, so a supervisor restarts a worker that failed."""
+def refuse_other_models(settings: Settings, shard: int) -> None:
+    """A shard serves one model (and its adapters) for as long as it has jobs: refuse to start
+    under a shard that holds unfinished jobs of a model this worker does not serve, which it
+    would never run (they wait there for their own model's worker)."""
+    served = {settings.served_model_name, *settings.lora_modules}
+    store = Store(settings.resolved_database_url)
+    try:
+        with translated(f"read shard {shard}'s unfinished jobs"):
+            others = {model: sum(counts.values())
+                      for model, counts in store.active_by_model(shard).items()
+                      if model not in served}
+    finally:
+        store.dispose()
+    if others:
+        held = ", ".join(f"{count} of model {model!r}" for model, count in sorted(others.items()))
+        raise ConfigurationError(
+            f"shard {shard} holds unfinished jobs ({held}) that this worker, serving "
+            f"{sorted(served)}, would never run; start it under another shard number, or start "
+            "a worker for that model under this one")
+
+
+def stop_with_parent(parent: int) -> None:
+    """Shut down warm (SIGTERM) when process `parent`, which started this worker, dies: a
+    demo, a benchmark or a test killed outright leaves no worker behind."""
+    signal_on_parent_death(signal.SIGTERM)
+    if os.getppid() != parent:
+        raise SystemExit(f"the process that started this worker ({parent}) has ended")
+
+
+def run_worker(settings: Settings, shard: int, device: str | None,
+               parent: int | None = None) -> None:
+    """Run the worker of `shard` until it stops (or `parent` dies), with its device bound
+    before vLLM is imported; exits with Celery's code, so a supervisor restarts a worker that
+    failed."""
+    if parent is not None:
+        stop_with_parent(parent)
     bind_device(settings, device)
     keep_to_device(device)
     yield_to_helpers(settings.worker_nice)
     from jobsvc.workers.celery_app import create_worker_app, worker_name
 
     refuse_held_shard(settings, shard)
+    refuse_other_models(settings, shard)
     app = create_worker_app(settings, shard)
     from celery.bin.celery import celery as celery_command
 

@@ -22,6 +22,7 @@ from jobsvc.prompts import PromptBuilder
 from jobsvc.reconcile import Reconciler
 from jobsvc.routing.feedback import CacheFeedback
 from jobsvc.routing.ledger import LoadLedger
+from jobsvc.served_models import served_by
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_MESSAGE_TASK, make_celery
@@ -64,7 +65,8 @@ class WorkerRuntime:
         broker_fixes.install(self._redis, queue_name(shard))
         self._store = Store(settings.resolved_database_url)
         self.engine = EngineAdapter(engine_args(settings), Pacing.from_settings(settings),
-                                    on_engine_dead=self._engine_died)
+                                    on_engine_dead=self._engine_died,
+                                    loras=settings.lora_modules)
         self._reaper = EngineReaper()
         self._feedback = CacheFeedback(self._redis)
         self._recorder = ResultRecorder(self._store, LoadLedger(self._redis),
@@ -76,7 +78,9 @@ class WorkerRuntime:
                                       own_shard=shard)
         self.activity = BatchActivity()
         self.name = worker_name(shard, settings.resolved_worker_host)
-        self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, self.name, self.activity)
+        self._heartbeat = HeartbeatKeeper(
+            settings.redis_url, shard, self.name, self.activity, task=settings.task,
+            models=[settings.served_model_name, *settings.lora_modules])
         self._drain = DrainWatch(self._redis, shard, self.activity,
                                  ShardMover(settings, self._redis, self._store, self._control),
                                  stop_consuming=self._stop_consuming,
@@ -98,7 +102,7 @@ class WorkerRuntime:
         self._reaper.start()
         self.engine.start()
         self._reaper.engine_started()
-        self._heartbeat.engine_started()
+        self._heartbeat.engine_started(served_by(self.settings, self.engine.context_length))
         # A fresh engine holds nothing: the router forgets its estimate for this shard, which
         # takes work again even if it had left the fleet or was being drained.
         self._feedback.engine_started(self.shard, self.engine.cache_blocks)
@@ -109,7 +113,9 @@ class WorkerRuntime:
                                   store=self._store, engine=self.engine,
                                   recorder=self._recorder, prompts=self.prompts,
                                   max_attempts=self.settings.max_attempts,
-                                  batch_size=self.settings.batch_size, hooks=self.hooks)
+                                  batch_size=self.settings.batch_size, hooks=self.hooks,
+                                  model=self.settings.served_model_name,
+                                  adapters=list(self.settings.lora_modules))
         for thread in self._background:
             thread.start()
 

@@ -13,13 +13,21 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeVar
 
 from jobsvc.choices import Choice, TokenLogprob, finite
+from jobsvc.embeddings import (
+    embedding_sampling,
+    input_lengths,
+    is_embedding,
+    requested_dimensions,
+    split_inputs,
+)
 from jobsvc.settings import Settings
+from jobsvc.workers.lora import lora_rank, lora_slot_rank
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +48,8 @@ class EngineRequest:
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
     sampling: dict[str, Any]
+    # The LoRA adapter the job names (one the worker loaded at start); None: the base model.
+    lora: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -66,6 +76,8 @@ class EngineResult:
     choices: tuple[Choice, ...] = ()
     # Prompt tokens the request wrote into the prefix cache, as the engine counts them.
     created_cache_tokens: int | None = None
+    # An embedding job's vectors, one per input in order; None for a generating job.
+    vectors: tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,18 @@ def engine_args(settings: Settings) -> dict[str, Any]:
     }
     if settings.max_model_len:
         args["max_model_len"] = settings.max_model_len
+    if settings.task == "embed":
+        # The model runs as a pooling model whose pooler makes one vector per prompt.
+        args["runner"], args["convert"] = "pooling", "embed"
+    if adapters := settings.lora_modules:
+        # Every adapter fits a slot at once, each slot sized for the largest rank. vLLM's CPU
+        # kernels read a request without an adapter from the last slot (index -1), so there
+        # one more slot stays empty: else the base model's requests batched with an adapter's
+        # would be answered through that adapter.
+        slots = len(adapters) + (1 if is_cpu_build() else 0)
+        args.update(enable_lora=True, max_loras=slots,
+                    max_lora_rank=lora_slot_rank(
+                        max(lora_rank(name, path) for name, path in adapters.items())))
     if is_cpu_build():
         args["enable_chunked_prefill"] = False
     return args
@@ -151,19 +175,36 @@ def sampling_params(sampling: dict[str, Any]) -> Any:
     return SamplingParams(**values, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
+def pooling_params(sampling: dict[str, Any]) -> Any:
+    """vLLM's PoolingParams for an embedding job's stored sampling: its vectors cut to the
+    dimensions it asked for, which the engine refuses unless the model is a Matryoshka one."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed", dimensions=requested_dimensions(sampling))
+
+
 class EngineAdapter:
     """Keeps vLLM's AsyncLLM on an event loop of its own, so that Celery's task threads (no event
     loop of theirs) hand it messages and take results back."""
 
     def __init__(self, engine_args: dict[str, Any], pacing: Pacing = Pacing(),
-                 on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_engine_dead: Callable[[BaseException], None] | None = None,
+                 loras: Mapping[str, str] | None = None) -> None:
         self._engine_args = engine_args
+        # The LoRA adapters to load at start (name -> path), and once loaded the request of
+        # each: a job may name only these, since an adapter failing to load inside a
+        # generation would kill the engine.
+        self._lora_paths = dict(loras or {})
+        self._loras: dict[str, Any] = {}
         # Read once per message as the message is admitted; a new value applies to later messages.
         self.pacing = pacing
         # Jobs of admitted messages whose requests wait for their chunk's turn, and those of
         # them cancelled meanwhile: a withdrawn job never reaches the engine. Loop thread only.
         self._waiting: set[str] = set()
         self._withdrawn: set[str] = set()
+        # The engine's request IDs of each embedding job it runs (one per input), so that a
+        # cancel aborts them all. Loop thread only.
+        self._embedding: dict[str, list[str]] = {}
         # Called (on the loop thread) when the engine has died: its requests will never
         # finish, so the owner must stop rather than record them as failed.
         self._on_engine_dead = on_engine_dead
@@ -197,10 +238,32 @@ class EngineAdapter:
         # local would keep the engine alive past `shutdown`, to an interpreter exit where its
         # finaliser fails on modules already unloaded.
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        await self._load_loras()
         # One tiny request walks every code path once, so the modules and caches it loads
-        # lazily exist before the owner freezes the garbage collector's view of start-up.
-        await self._run_group([EngineRequest("warm-up", (0, 1), (2,), {"max_tokens": 1})],
-                              lambda _result: None)
+        # lazily exist before the owner freezes the garbage collector's view of start-up: an
+        # embedding of two tokens on a pooling engine, else an answer of one.
+        pooling = self._engine.vllm_config.model_config.runner_type == "pooling"
+        warm_up = (EngineRequest("warm-up", (0, 1), (), embedding_sampling([2])) if pooling
+                   else EngineRequest("warm-up", (0, 1), (2,), {"max_tokens": 1}))
+        await self._run_group([warm_up], lambda _result: None)
+
+    async def _load_loras(self) -> None:
+        """Load every adapter, or stop the engine and fail the start naming the one that
+        would not load."""
+        from vllm.lora.request import LoRARequest
+
+        for lora_id, (name, path) in enumerate(self._lora_paths.items(), start=1):
+            request = LoRARequest(name, lora_id, path)
+            try:
+                await self._engine.add_lora(request)
+            except Exception as error:
+                self._engine.shutdown()
+                self._engine = None
+                raise RuntimeError(f"LoRA adapter {name!r} at {path} did not load: "
+                                   f"{error}") from error
+            self._loras[name] = request
+        if self._loras:
+            log.info("LoRA adapters loaded: %s", ", ".join(self._loras))
 
     def submit(self, requests: Sequence[EngineRequest],
                on_result: Callable[[EngineResult], None]) -> concurrent.futures.Future[None]:
@@ -222,6 +285,11 @@ class EngineAdapter:
         return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
 
     @property
+    def context_length(self) -> int:
+        """Longest prompt plus answer the engine accepts (known once it has started)."""
+        return int(self._engine.vllm_config.model_config.max_model_len)
+
+    @property
     def dead(self) -> bool:
         """True once the engine's processes are gone (it will never answer again)."""
         return self._engine is not None and bool(self._engine.errored)
@@ -235,7 +303,7 @@ class EngineAdapter:
             self._withdrawn.add(job_id)
             log.info("job %s withdrawn before it reached the engine", job_id)
         else:
-            await self._engine.abort(job_id)
+            await self._engine.abort(self._embedding.get(job_id, job_id))
 
     def shutdown(self) -> None:
         """Stop the loop, then the engine and its processes."""
@@ -256,7 +324,9 @@ class EngineAdapter:
         for key, request in zip(keys, requests, strict=True):
             if key not in params:
                 try:
-                    params[key] = sampling_params(request.sampling)
+                    params[key] = (pooling_params(request.sampling)
+                                   if is_embedding(request.sampling)
+                                   else sampling_params(request.sampling))
                 except Exception as error:
                     params[key] = error
         await gather_paced([self._run_one(request, params[key], on_result)
@@ -274,11 +344,20 @@ class EngineAdapter:
         if isinstance(params, Exception):
             on_result(_failure(request.job_id, prompt_tokens, params))
             return
+        lora = self._loras.get(request.lora) if request.lora is not None else None
+        if request.lora is not None and lora is None:
+            on_result(_no_output(request.job_id, prompt_tokens,
+                                 f"LoRA adapter {request.lora!r} is not loaded on this worker"))
+            return
+        if is_embedding(request.sampling):
+            await self._embed(request, params, on_result)
+            return
         final = None
         try:
             async for output in self._engine.generate(
                     {"prompt_token_ids": request.prefix + request.suffix}, params,
-                    request.job_id, priority=request.sampling.get("priority", 0)):
+                    request.job_id, priority=request.sampling.get("priority", 0),
+                    lora_request=lora):
                 final = output
         except Exception as error:
             if self._on_engine_dead is not None and self.dead:
@@ -301,6 +380,53 @@ class EngineAdapter:
                                sum(len(c.token_ids) for c in completions),
                                final.num_cached_tokens or 0, time.time(), first.finish_reason,
                                choices, final.num_cache_creation_tokens))
+
+    async def _embed(self, request: EngineRequest, params: Any,
+                     on_result: Callable[[EngineResult], None]) -> None:
+        """Run an embedding job: each input its own request (`<job>/<index>`), all at once,
+        the job ending when the last does (a cancel aborts them all); one that fails or is
+        aborted fails the job."""
+        prompt_tokens = request.prompt_tokens
+        try:
+            inputs = split_inputs(request.prefix + request.suffix, input_lengths(request.sampling))
+        except ValueError as error:
+            on_result(_failure(request.job_id, prompt_tokens, error))
+            return
+        request_ids = [f"{request.job_id}/{index}" for index in range(len(inputs))]
+        self._embedding[request.job_id] = request_ids
+        try:
+            finals = await asyncio.gather(
+                *(self._encode(tokens, params, request_id, request.sampling)
+                  for tokens, request_id in zip(inputs, request_ids, strict=True)),
+                return_exceptions=True)
+        finally:
+            del self._embedding[request.job_id]
+        errors = [final for final in finals if isinstance(final, BaseException)]
+        if errors:
+            if self._on_engine_dead is not None and self.dead:
+                self._on_engine_dead(errors[0])
+                return
+            log.warning("job %s failed in the engine: %s: %s", request.job_id,
+                        type(errors[0]).__name__, errors[0])
+            on_result(_failure(request.job_id, prompt_tokens, errors[0]))
+            return
+        if any(final is None or final.outputs.data.numel() == 0 for final in finals):
+            on_result(_no_output(request.job_id, prompt_tokens, "aborted in the engine"))
+            return
+        on_result(EngineResult(
+            request.job_id, "", None, prompt_tokens, 0,
+            sum(final.num_cached_tokens or 0 for final in finals), time.time(),
+            vectors=tuple(tuple(final.outputs.data.tolist()) for final in finals)))
+
+    async def _encode(self, tokens: tuple[int, ...], params: Any, request_id: str,
+                      sampling: dict[str, Any]) -> Any:
+        """One input's pooled output (its last), or None if the engine gave none."""
+        final = None
+        async for output in self._engine.encode({"prompt_token_ids": tokens}, params,
+                                                request_id,
+                                                priority=sampling.get("priority", 0)):
+            final = output
+        return final
 
 
 def _choice(completion: Any, top: int | None) -> Choice:

@@ -113,6 +113,11 @@ def _reap(seen: dict[int, psutil.Process]) -> None:
         time.sleep(0.05)
 
 
+def signal_on_parent_death(signum: int) -> None:
+    """Have the kernel send this process `signum` when its parent dies, even by SIGKILL."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+
+
 def main(worker: int) -> None:
     """The reaper process: note the worker's descendants as they appear, and kill them when the
     worker dies (its parent-death signal) or closes the pipe."""
@@ -126,7 +131,7 @@ def main(worker: int) -> None:
     # and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_worker_death)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != worker:
         # The worker died before the signal was asked for.
         on_worker_death(signal.SIGTERM, None)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import redis
 
 from jobsvc.health import HEARTBEAT_SECONDS, Heartbeat, write_heartbeat
+from jobsvc.served_models import ServedModel, register
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class HeartbeatKeeper:
     """Writes the worker's heartbeat every few seconds from its own thread, so a busy engine never
     makes a live worker look dead."""
 
-    def __init__(self, redis_url: str, shard: int, worker: str, activity: BatchActivity
-                 ) -> None:
+    def __init__(self, redis_url: str, shard: int, worker: str, activity: BatchActivity, *,
+                 task: str, models: list[str]) -> None:
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=_REDIS_TIMEOUT_SECONDS,
                                            socket_connect_timeout=_REDIS_TIMEOUT_SECONDS)
         self._shard = shard
@@ -63,6 +64,11 @@ class HeartbeatKeeper:
         # Celery names a worker name@host: the host part is the one the fleet knows it by.
         self._host = worker.partition("@")[2] or socket.gethostname()
         self._activity = activity
+        self._task = task
+        self._models = models
+        # What the engine serves, registered at every beat once it is ready, so a Redis that
+        # lost the registry has it back within a beat.
+        self._served: list[ServedModel] = []
         self._started = time.monotonic()
         self._engine_ready = False
         self._metrics_port: int | None = None
@@ -75,8 +81,10 @@ class HeartbeatKeeper:
         self._metrics_port = metrics_port
         self._thread.start()
 
-    def engine_started(self) -> None:
-        """The engine answers: say so at once rather than at the next beat."""
+    def engine_started(self, served: list[ServedModel]) -> None:
+        """The engine answers, serving these models: say so at once rather than at the next
+        beat."""
+        self._served = served
         self._engine_ready = True
         self._beat()
 
@@ -94,7 +102,8 @@ class HeartbeatKeeper:
                          pid=os.getpid(), up_s=time.monotonic() - self._started,
                          engine_ready=self._engine_ready and not stopped,
                          messages_in_flight=in_flight, last_message_finished_s=since_last,
-                         metrics_port=self._metrics_port, stopped=stopped)
+                         metrics_port=self._metrics_port, task=self._task,
+                         models=self._models, stopped=stopped)
 
     def _run(self) -> None:
         self._beat()
@@ -104,6 +113,8 @@ class HeartbeatKeeper:
     def _beat(self, *, stopped: bool = False) -> None:
         try:
             write_heartbeat(self._redis, self._record(stopped=stopped))
+            if self._served and not stopped:
+                register(self._redis, self._shard, self._served)
         except redis.RedisError as error:
             if not self._failing:
                 log.warning("shard %d cannot write its heartbeat (%s); retrying every %.0f s",

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -37,8 +37,13 @@ class MessageRunner:
 
     def __init__(self, *, shard: int, worker_name: str, store: Store, engine: EngineAdapter,
                  recorder: ResultRecorder, prompts: PromptBuilder, max_attempts: int,
-                 batch_size: int, hooks: WorkerHooks) -> None:
+                 batch_size: int, hooks: WorkerHooks, model: str,
+                 adapters: Sequence[str] = ()) -> None:
+        """`model`: the served name of the worker's model; `adapters`: the LoRA adapters it
+        loaded. A job naming anything else is never claimed here."""
         self.shard = shard
+        self._model = model
+        self._served = [model, *adapters]
         self.worker_name = worker_name
         self.max_attempts = max_attempts
         self.batch_size = batch_size
@@ -157,7 +162,7 @@ class MessageRunner:
             job_ids = [job_id for job_id in message.job_ids if job_id not in self._running]
         claim = self._retrying(f"claim {len(job_ids)} jobs", lambda: self._store.claim_message(
             job_ids, message_id=message.message_id, shard=self.shard, redelivered=redelivered,
-            worker=self.worker_name, max_attempts=self.max_attempts))
+            worker=self.worker_name, max_attempts=self.max_attempts, models=self._served))
         self._recorder.release_load(claim.released)
         with self._lock:
             # Another thread may have claimed some of them meanwhile (a copy of this message
@@ -166,8 +171,8 @@ class MessageRunner:
             self._running.update(job.job_id for job in jobs)
         if len(jobs) < len(message.job_ids):
             log.info("shard %d skips %d of message %s's jobs (finished, cancelled, running, "
-                     "or not this message's)", self.shard, len(message.job_ids) - len(jobs),
-                     message.message_id)
+                     "not this message's, or of a model not served here)", self.shard,
+                     len(message.job_ids) - len(jobs), message.message_id)
         return jobs
 
     def _requests(self, jobs: list[ClaimedJob]
@@ -178,7 +183,8 @@ class MessageRunner:
         did."""
         documents = self._tokenized([job.document for job in jobs], self._prompts.documents)
         questions = self._tokenized([job.question for job in jobs], self._prompts.questions)
-        requests = [EngineRequest(job.job_id, document, question, job.sampling)
+        requests = [EngineRequest(job.job_id, document, question, job.sampling,
+                                  None if job.model == self._model else job.model)
                     for job, document, question in zip(jobs, documents, questions, strict=True)]
         checks = {request.job_id: CacheCheck(
             request.prompt_tokens - job.estimated_prefill, len(request.prefix))
@@ -227,4 +233,5 @@ class MessageRunner:
 def _outcome(result: EngineResult) -> JobOutcome:
     return JobOutcome(result.job_id, result.text, result.error, result.completion_tokens,
                       result.cached_tokens, datetime.fromtimestamp(result.finished_at, UTC),
-                      result.finish_reason, result.choices, result.created_cache_tokens)
+                      result.finish_reason, result.choices, result.created_cache_tokens,
+                      result.vectors)

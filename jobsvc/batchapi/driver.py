@@ -286,13 +286,13 @@ class BatchDriver:
         each line in input order; a file with no line is not made."""
         files = {kind: _LazyFile(self._files, connection, f"{batch.id}_{kind}.jsonl")
                  for kind in ("output", "error")}
-        model = self._settings.served_model_name
+        models = self._client.models
         for rows in self._batches.output_pages(batch.id):
             for row in rows:
-                kind, line = file_line(batch.id, ending, row,
-                                       tokenizer_model=self._settings.model)
+                model = models.described(row.model)
+                kind, line = file_line(batch.id, ending, row, tokenizer_model=model.weights)
                 files[kind].write(jsonl(openai_line(line, endpoint=batch.endpoint,
-                                                    model=model)))
+                                                    model=model.name)))
             # A lease renewed on its own connection: this transaction has not touched the
             # batch's row yet, so it holds no lock the renewal would wait for.
             self._renew(batch)
@@ -302,7 +302,7 @@ class BatchDriver:
 def file_line(batch_id: str, ending: str, row: OutputRow, *,
               tokenizer_model: str) -> tuple[str, FinishedLine]:
     """Which file a line goes to ("output" or "error"), and what came of its request, for
-    `output_lines` to shape. `tokenizer_model` is the served model (JOBSVC_MODEL), whose
+    `output_lines` to shape. `tokenizer_model` is the weights of the line's model, whose
     tokenizer a tool-call parser reads."""
     outcome = _outcome(ending, row)
     if isinstance(outcome, Answer) and row.tool_plan is not None:
@@ -323,7 +323,8 @@ def _outcome(ending: str, row: OutputRow) -> Outcome:
                       row.completion_tokens or 0, row.cached_tokens or 0, row.max_tokens,
                       _seconds(row.finished_at), row.finish_reason, row.choices(),
                       row.sampling,
-                      created_cache_tokens=row.created_cache_tokens)
+                      created_cache_tokens=row.created_cache_tokens,
+                      embeddings=row.embeddings())
     if row.status == JobStatus.FAILED.value:
         return Failed(row.job_error or "the job failed")
     return Unrun(ended_error(ending))

@@ -16,9 +16,11 @@ from jobsvc.batchapi.chat_template import ChatTemplate, SplitPrompt, split_promp
 from jobsvc.batchapi.line_requests import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
+    EMBEDDINGS_ENDPOINT,
     RESPONSES_ENDPOINT,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LineError,
     parse_request,
 )
@@ -28,7 +30,7 @@ from jobsvc.batchapi.tool_calls import stored_plan
 from jobsvc.client import Client
 from jobsvc.dispatch import PreparedJob
 from jobsvc.errors import InvalidJob
-from jobsvc.prompts import PromptBuilder
+from jobsvc.served_models import GENERATE, ServedModel
 from jobsvc.store.batches import LineOutcome
 from jobsvc.validation import ContextExceeded, JobLimits, check_prompt
 
@@ -46,6 +48,8 @@ def invalid(error: LineError) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Accepted:
     request: RequestLine
+    # The model the line names, as the fleet serves it.
+    model: ServedModel
     split: SplitPrompt
     sampling: dict[str, Any]
     max_tokens: int | None
@@ -57,22 +61,29 @@ class Ingestor:
     """Turns slices of a batch's request lines into jobs, with everything a line needs checked first
     so that a bad line fails alone instead of taking its slice down."""
 
-    def __init__(self, client: Client, prompts: PromptBuilder, template: ChatTemplate, *,
-                 served_model: str, limits: JobLimits) -> None:
+    def __init__(self, client: Client, *, limits: JobLimits) -> None:
         self._client = client
-        self._prompts = prompts
-        self._template = template
-        self._served_model = served_model
         self._limits = limits
+        # Each model's chat template, by the weights it comes with, read once.
+        self._templates: dict[str, ChatTemplate] = {}
 
     @property
     def context_length(self) -> int:
-        """The served model's context, in tokens: what a prompt and its answer must fit in."""
-        return self._prompts.context_length
+        """The longest context of the fleet's models, in tokens: what a line's prompt and its
+        answer may fill at most."""
+        return max(self._client.models.prompts(model).context_length
+                   for model in self._client.models.models().values())
+
+    def _template(self, model: ServedModel) -> ChatTemplate:
+        if model.weights not in self._templates:
+            self._templates[model.weights] = ChatTemplate(model.weights)
+        return self._templates[model.weights]
 
     def ingest(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]
                ) -> list[LineOutcome]:
         """Submit the slice's valid lines as jobs; every line gets its outcome, in order."""
+        if endpoint == EMBEDDINGS_ENDPOINT:
+            return self._ingest_embeddings(batch_id, lines)
         errors: dict[int, LineError] = {}
         accepted: list[_Accepted] = []
         for request in lines:
@@ -81,14 +92,18 @@ class Ingestor:
                 continue
             try:
                 parsed = self._parse(endpoint, request.body)
-                split = (self._template.split(parsed.messages, parsed.tools.tools)
+                model = self._model(parsed.model)
+                split = (self._template(model).split(parsed.messages, parsed.tools.tools)
                          if isinstance(parsed, ChatRequest) else split_prompt(parsed.prompt))
             except LineError as error:
                 errors[request.line] = _named(endpoint, error, request.body)
                 continue
             plan = stored_plan(parsed.tools) if isinstance(parsed, ChatRequest) else None
-            accepted.append(_Accepted(request, split, parsed.sampling, parsed.max_tokens, plan))
-        jobs = self._prepare(batch_id, endpoint, accepted, errors)
+            accepted.append(_Accepted(request, model, split, parsed.sampling, parsed.max_tokens,
+                                      plan))
+        jobs = [job for name in dict.fromkeys(item.model.name for item in accepted)
+                for job in self._prepare(batch_id, endpoint, [
+                    item for item in accepted if item.model.name == name], errors)]
         job_ids = dict(zip((item.request.line for item, _ in jobs),
                            self._client.submit_prepared([job for _, job in jobs]), strict=True))
         plans = {item.request.line: item.tool_plan for item, _ in jobs}
@@ -97,28 +112,65 @@ class Ingestor:
                             plans.get(request.line))
                 for request in lines]
 
+    def _ingest_embeddings(self, batch_id: str, lines: Sequence[RequestLine]
+                           ) -> list[LineOutcome]:
+        """An embeddings slice: each valid line one job of its inputs, checked against the
+        embedding model it names (`Client.prepare_embedding`)."""
+        errors: dict[int, LineError] = {}
+        jobs: dict[int, PreparedJob] = {}
+        for request in lines:
+            if request.refused is not None:
+                errors[request.line] = request.refused
+                continue
+            try:
+                parsed = parse_request(EMBEDDINGS_ENDPOINT, request.body, limits=self._limits)
+                assert isinstance(parsed, EmbeddingRequest)
+                jobs[request.line] = self._client.prepare_embedding(
+                    parsed.inputs, dimensions=parsed.dimensions,
+                    encoding_format=parsed.encoding_format, model=parsed.model,
+                    idempotency_key=idempotency_key(batch_id, request.custom_id))
+            except LineError as error:
+                errors[request.line] = error
+            except InvalidJob as error:
+                code = ("model_not_found" if error.field == "model" else
+                        "context_length_exceeded" if isinstance(error, ContextExceeded)
+                        else "invalid_value")
+                errors[request.line] = LineError(str(error), error.field, code)
+        job_ids = dict(zip(jobs, self._client.submit_prepared(list(jobs.values())),
+                           strict=True))
+        return [LineOutcome(request.line, request.custom_id, job_ids.get(request.line),
+                            invalid(errors[request.line]) if request.line in errors else None)
+                for request in lines]
+
     def _parse(self, endpoint: str, body: Mapping[str, Any]
                ) -> ChatRequest | CompletionRequest:
         """The request a line's body makes; a Responses body as the chat request it amounts
         to."""
         if endpoint == RESPONSES_ENDPOINT:
             endpoint, body = CHAT_ENDPOINT, chat_body(body)
-        return parse_request(endpoint, body, served_model=self._served_model,
-                             limits=self._limits)
+        return parse_request(endpoint, body, limits=self._limits)
+
+    def _model(self, name: str | None) -> ServedModel:
+        """The served model a line names, or the line's `model_not_found` error."""
+        try:
+            return self._client.models.resolve(name, GENERATE)
+        except InvalidJob as error:
+            raise LineError(str(error), "model", "model_not_found") from None
 
     def _prepare(self, batch_id: str, endpoint: str, accepted: list[_Accepted],
                  errors: dict[int, LineError]) -> list[tuple[_Accepted, PreparedJob]]:
-        """Tokenize (each distinct prefix once), check each prompt against the model, and
-        make the jobs."""
+        """Tokenize one model's lines (each distinct prefix once), check each prompt against
+        the model, and make the jobs."""
+        model = accepted[0].model
+        prompts = self._client.models.prompts(model)
         # A rendered chat carries its special tokens as text; a completions prompt gets the
         # model's leading ones, as vLLM's endpoints tokenize them.
         completions = endpoint == COMPLETIONS_ENDPOINT
         prefixes = list(dict.fromkeys(item.split.prefix for item in accepted))
-        prefix_tokens = dict(zip(prefixes, self._prompts.encode(prefixes, special=completions),
+        prefix_tokens = dict(zip(prefixes, prompts.encode(prefixes, special=completions),
                                  strict=True))
-        suffix_tokens = self._prompts.encode([item.split.suffix for item in accepted],
-                                             special=False)
-        context, vocabulary = self._prompts.context_length, self._prompts.vocabulary_size
+        suffix_tokens = prompts.encode([item.split.suffix for item in accepted], special=False)
+        context, vocabulary = prompts.context_length, prompts.vocabulary_size
         prompt_field = "prompt" if completions else "messages"
         jobs = []
         for item, suffix in zip(accepted, suffix_tokens, strict=True):
@@ -140,7 +192,7 @@ class Ingestor:
                 continue
             jobs.append((item, PreparedJob(
                 item.split.prefix, prefix, item.split.suffix, suffix, sampling,
-                idempotency_key(batch_id, item.request.custom_id))))
+                idempotency_key(batch_id, item.request.custom_id), model=model.name)))
         return jobs
 
 

@@ -20,12 +20,22 @@ from jobsvc.batchapi.tool_calls import (
     message_tool_fields,
 )
 from jobsvc.errors import InvalidJob
-from jobsvc.validation import JobLimits, Unsupported, check_sampling, check_sampling_value
+from jobsvc.validation import (
+    JobLimits,
+    Unsupported,
+    check_encoding_format,
+    check_model_name,
+    check_sampling,
+    check_sampling_value,
+    embedding_inputs,
+)
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 # Read as the chat request it amounts to (`jobsvc.batchapi.responses_requests`).
 RESPONSES_ENDPOINT = "/v1/responses"
+# One embedding job per line, whose inputs the engine embeds (`jobsvc.embeddings`).
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"
 # OpenAI's defaults where jobsvc's own differ: sampling at temperature 1, and a completion of
 # 16 tokens (a chat completion runs to the end of the context).
 OPENAI_TEMPERATURE = 1.0
@@ -36,8 +46,7 @@ _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty
                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                   "response_format", "structured_outputs", "n", "logit_bias", "priority")
 # Keys that change nothing about the answer here.
-_IGNORED_KEYS = frozenset({"model", "user", "metadata", "store", "service_tier",
-                           "stream_options"})
+_IGNORED_KEYS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           TOOL_ROLE: TOOL_ROLE}
 
@@ -68,6 +77,20 @@ class ChatRequest:
     max_tokens: int | None
     # What `tools` and `tool_choice` ask of the prompt, the engine and the answer.
     tools: ToolPlan = NO_TOOLS
+    # The model or adapter the line names; None: the fleet's default.
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """An embeddings line's request: its inputs (texts, or token IDs given as they are), the
+    dimensions asked for (None: the model's own), and how the vectors are written out."""
+
+    inputs: list[str | list[int]]
+    dimensions: int | None
+    encoding_format: str
+    # The model the line names; None: the fleet's default.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,8 @@ class CompletionRequest:
     prompt: str
     sampling: dict[str, Any]
     max_tokens: int
+    # The model or adapter the line names; None: the fleet's default.
+    model: str | None = None
 
 
 def _unsupported(param: str, what: str) -> LineError:
@@ -111,15 +136,16 @@ def _refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
 
 
 _HANDLED = {
-    CHAT_ENDPOINT: frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "n",
-                              "stream", "tools", "functions", "tool_choice", "function_call",
-                              "parallel_tool_calls", "logprobs", "top_logprobs", "logit_bias",
-                              *_SAMPLING_KEYS, *_IGNORED_KEYS}),
-    COMPLETIONS_ENDPOINT: frozenset({"prompt", "max_tokens", "stop", "n", "stream", "logprobs",
-                                     "logit_bias", "echo", "best_of", "suffix", "tools",
+    CHAT_ENDPOINT: frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
+                              "stop", "n", "stream", "tools", "functions", "tool_choice",
+                              "function_call", "parallel_tool_calls", "logprobs",
+                              "top_logprobs", "logit_bias", *_SAMPLING_KEYS, *_IGNORED_KEYS}),
+    COMPLETIONS_ENDPOINT: frozenset({"model", "prompt", "max_tokens", "stop", "n", "stream",
+                                     "logprobs", "logit_bias", "echo", "best_of", "suffix", "tools",
                                      "functions", "tool_choice", "function_call",
                                      "parallel_tool_calls", "top_logprobs", *_SAMPLING_KEYS,
                                      *_IGNORED_KEYS}),
+    EMBEDDINGS_ENDPOINT: frozenset({"input", "model", "dimensions", "encoding_format", "user"}),
 }
 
 
@@ -248,16 +274,34 @@ def _prompt(value: Any) -> str:
     return value
 
 
-def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
-                  limits: JobLimits) -> ChatRequest | CompletionRequest:
-    """The request a line's body makes of `endpoint`, or LineError naming the field."""
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise LineError(f"model {model!r} is not served here; use {served_model!r}", "model",
-                        "model_not_found")
+def _embedding_request(body: Mapping[str, Any], limits: JobLimits,
+                       model: str | None) -> EmbeddingRequest:
+    """An embeddings line's inputs and options; whether the model can cut its vectors to
+    `dimensions` is known with the model, at ingest."""
+    dimensions = body.get("dimensions")
+    try:
+        inputs = embedding_inputs(body.get("input"), limits.max_document_chars)
+        if dimensions is not None:
+            check_sampling_value("max_tokens", dimensions, 0, field="dimensions")
+        return EmbeddingRequest(inputs, dimensions, check_encoding_format(
+            body.get("encoding_format")), model)
+    except InvalidJob as error:
+        raise _line_error(error) from None
+
+
+def parse_request(endpoint: str, body: Mapping[str, Any], *, limits: JobLimits
+                  ) -> ChatRequest | CompletionRequest | EmbeddingRequest:
+    """The request a line's body makes of `endpoint`, or LineError naming the field. Whether
+    the fleet serves the model it names is checked as the line becomes a job."""
+    try:
+        model = check_model_name(body.get("model"))
+    except InvalidJob as error:
+        raise LineError(str(error), "model") from None
     unknown = sorted(set(body) - _HANDLED[endpoint])
     if unknown:
         raise _unsupported(unknown[0], f"the parameter {unknown[0]!r}")
+    if endpoint == EMBEDDINGS_ENDPOINT:
+        return _embedding_request(body, limits, model)
     _refuse_unsupported(body, endpoint)
     sampling = _sampling(body, endpoint, limits)
     if endpoint == CHAT_ENDPOINT:
@@ -266,7 +310,8 @@ def parse_request(endpoint: str, body: Mapping[str, Any], *, served_model: str,
             # The calls' schema replaces any constraint of the line's own, as in vLLM.
             sampling = {**sampling, "structured_outputs": tools.constraint}
         return ChatRequest(_messages(body.get("messages")), sampling,
-                           _max_tokens(body, ("max_completion_tokens", "max_tokens")), tools)
+                           _max_tokens(body, ("max_completion_tokens", "max_tokens")), tools,
+                           model)
     max_tokens = _max_tokens(body, ("max_tokens",))
     return CompletionRequest(_prompt(body.get("prompt")), sampling,
-                             COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens)
+                             COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens, model)

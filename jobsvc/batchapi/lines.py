@@ -19,6 +19,7 @@ from typing import Any
 from jobsvc.batchapi.line_requests import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
+    EMBEDDINGS_ENDPOINT,
     RESPONSES_ENDPOINT,
     LineError,
 )
@@ -28,7 +29,7 @@ from jobsvc.validation import first_unstorable, storable
 MAX_LINES = 50_000
 # A failed file lists at most this many of its errors.
 MAX_LISTED_ERRORS = 100
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT)
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT, EMBEDDINGS_ENDPOINT)
 # Deepest nesting of a line's JSON: Python's parser recurses once per level, and no request
 # needs more than a handful.
 MAX_DEPTH = 32

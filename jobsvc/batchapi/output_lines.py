@@ -1,7 +1,8 @@
 """Every shape a batch request's end takes on its way out, made here alone: the line of a
 batch's output or error file as OpenAI writes it (`{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}`, with `chat.completion` or `text_completion`
-bodies whose usage carries the cached tokens), and the same line as `vllm run-batch` writes it.
+bodies whose usage carries the cached tokens, or lists of embeddings), and the same line as
+`vllm run-batch` writes it.
 Both shapes come from one typed `FinishedLine`, so they cannot drift apart.
 Pure: typed values in, JSON-ready dicts out."""
 
@@ -16,10 +17,12 @@ from typing import Any
 from jobsvc.batchapi.line_requests import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
+    EMBEDDINGS_ENDPOINT,
     RESPONSES_ENDPOINT,
 )
 from jobsvc.batchapi.tool_calls import OPENAI_CALL_ID_PREFIX, VLLM_CALL_ID_PREFIX, ToolAnswer
 from jobsvc.choices import Choice
+from jobsvc.embeddings import base64_vector, encoding_format
 
 ENDED_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request finished.",
@@ -51,6 +54,8 @@ class Answer:
     tool_answers: tuple[ToolAnswer, ...] = ()
     # Prompt tokens the request wrote into the engine's prefix cache (None: not recorded).
     created_cache_tokens: int | None = None
+    # An embedding request's vectors, one per input in order; None for any other request.
+    embeddings: list[list[float]] | None = None
 
     @property
     def top_logprobs(self) -> int | None:
@@ -129,6 +134,8 @@ def response_body(endpoint: str, answer: Answer, model: str, *,
     calls have IDs starting with `call_ids` (OpenAI's `call_`, vLLM's `chatcmpl-tool-`)."""
     if endpoint == RESPONSES_ENDPOINT:
         return _response_object(answer, model)
+    if endpoint == EMBEDDINGS_ENDPOINT:
+        return _embedding_list(answer, model)
     if endpoint == CHAT_ENDPOINT:
         kind, prefix = "chat.completion", "chatcmpl"
         choices = [{"index": index, **_chat_message(answer, index, choice, call_ids),
@@ -182,6 +189,21 @@ def _response_object(answer: Answer, model: str) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": answer.prompt_tokens + answer.completion_tokens},
         "user": None, "safety_identifier": None, "prompt_cache_key": None,
+    }
+
+
+# Answer --> the embedding list of a /v1/embeddings request
+def _embedding_list(answer: Answer, model: str) -> dict[str, Any]:
+    """OpenAI's list of embeddings: one per input, in order, as numbers or (`encoding_format`
+    base64) as base64 of little-endian float32; usage counts the inputs' tokens."""
+    as_base64 = encoding_format(answer.sampling) == "base64"
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": index,
+                  "embedding": base64_vector(vector) if as_base64 else vector}
+                 for index, vector in enumerate(answer.embeddings or [])],
+        "model": model,
+        "usage": {"prompt_tokens": answer.prompt_tokens, "total_tokens": answer.prompt_tokens},
     }
 
 
@@ -286,6 +308,10 @@ def vllm_line(line: FinishedLine, *, endpoint: str, model: str) -> dict[str, Any
     if isinstance(outcome, Unrun):
         return _line(line_id, line.custom_id, None,
                      {"error": {**outcome.error, "type": "BatchError", "param": None}})
+    if isinstance(outcome, Answer) and endpoint == EMBEDDINGS_ENDPOINT:
+        body = _as_vllm_embedding_list(response_body(endpoint, outcome, model), outcome)
+        return _line(line_id, line.custom_id,
+                     {"status_code": 200, "request_id": request_id, "body": body}, None)
     if isinstance(outcome, Answer):
         body = _as_vllm_body(endpoint, response_body(endpoint, outcome, model,
                                                      call_ids=VLLM_CALL_ID_PREFIX),
@@ -355,6 +381,20 @@ def _as_vllm_body(endpoint: str, body: dict[str, Any],
         _PROMPT_TOKENS)}, _USAGE)
     return _with_fields({**body, "choices": choices, "system_fingerprint": _FINGERPRINT,
                          "usage": usage}, _BODY[endpoint])
+
+
+_EMBEDDING_LIST = ("id", "object", "created", "model", "data", "usage")
+_EMBEDDING = ("index", "object", "embedding")
+
+
+def _as_vllm_embedding_list(body: dict[str, Any], answer: Answer) -> dict[str, Any]:
+    """An embedding list as vLLM's server writes it: with its ID and time, each field in
+    vLLM's order, and a usage with no completion tokens and no token details."""
+    return _with_fields({
+        **body, "id": f"embd-{answer.job_id}", "created": answer.created,
+        "data": [_with_fields(item, _EMBEDDING) for item in body["data"]],
+        "usage": _with_fields({**body["usage"], "completion_tokens": 0}, _USAGE)},
+        _EMBEDDING_LIST)
 
 
 def _with_fields(found: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

@@ -52,3 +52,19 @@ def document_keys(tokens: Sequence[int], block_size: int) -> DocumentKeys:
     whole = _chain(last_full, tokens[full:]) if full < len(tokens) else last_full
     prefix = last_full if hashes else whole
     return DocumentKeys(prefix.hex(), whole.hex(), full, tuple(hashes))
+
+
+def adapted(keys: DocumentKeys, adapter: str) -> DocumentKeys:
+    """The routing keys of the document run under a LoRA adapter: the engine keys its prefix
+    cache by adapter too, so each block's hash is taken again with the adapter's name (blocks
+    shared by two documents stay shared under one adapter). The stored document's key stays."""
+    salt = adapter.encode()
+    blocks = tuple(blake2b(salt + block, digest_size=16).digest() for block in keys.blocks)
+    prefix = blake2b(salt + bytes.fromhex(keys.prefix_key), digest_size=16).digest()
+    return DocumentKeys(prefix.hex(), keys.document_key, keys.cacheable_tokens, blocks)
+
+
+def unrouted(document_key: str) -> DocumentKeys:
+    """Keys that route a prompt by load alone: no block any shard could hold (an embedding
+    job's inputs, whose computation no later job reuses)."""
+    return DocumentKeys(document_key, document_key, 0, ())

@@ -46,7 +46,7 @@ from jobsvc.routing.job_cost import (
     loads_per_shard,
 )
 from jobsvc.routing.ledger import LoadLedger, loads_of
-from jobsvc.routing.live import LiveShards
+from jobsvc.routing.live import LiveShards, ModelShards
 from jobsvc.routing.policies import (
     AffinityPolicy,
     CacheAwarePolicy,
@@ -75,25 +75,31 @@ class Router(ABC):
         self._live = LiveShards(client, settings.shards)
 
     @abstractmethod
-    def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
-        """Pick a shard per job from the shared state, and charge the shards."""
+    def route(self, jobs: Sequence[RoutingJob], model: str | None = None) -> list[Route]:
+        """Pick a shard per job among those of `model` (None: the settings' served model)
+        from the shared state, and charge the shards."""
 
     @abstractmethod
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
         """The shards `route` picks for these jobs on an idle cluster of the configured shards
         with empty caches."""
 
-    def live_shards(self) -> tuple[int, ...]:
-        """The shards this router routes to now (read at most every `LIVE_SET_SECONDS`)."""
-        return self._live.shards()
+    def model_shards(self, model: str | None = None) -> ModelShards:
+        """The shards `model`'s jobs go to now (None: the settings' served model), and whether
+        a live worker serves it there (read at most every `LIVE_SET_SECONDS`)."""
+        return self._live.shards(self.settings.served_model_name if model is None else model)
+
+    def live_shards(self, model: str | None = None) -> tuple[int, ...]:
+        """The shards this router routes `model`'s jobs to now."""
+        return self.model_shards(model).shards
 
 
 class RoundRobinRouter(Router):
     """`RoundRobinPolicy` dealing from one count of jobs that all producers share."""
 
-    def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+    def route(self, jobs: Sequence[RoutingJob], model: str | None = None) -> list[Route]:
         """Deal the jobs in turn over the live shards, from the count all producers share."""
-        live = self.live_shards()
+        live = self.live_shards(model)
         end = int(self._redis.incrby(ROUND_ROBIN_KEY, len(jobs)))
         routes = _on_shards(_deal(RoundRobinPolicy(len(live), first=end - len(jobs)), jobs), live)
         self._ledger.charge(loads_per_shard((route.shard, route.load) for route in routes))
@@ -112,10 +118,10 @@ class AffinityRouter(Router):
         super().__init__(client, ledger, settings)
         self._affinity = AffinityMap(client, ledger)
 
-    def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+    def route(self, jobs: Sequence[RoutingJob], model: str | None = None) -> list[Route]:
         """Place each document on the live shard that holds it, or on the least loaded one if new,
         and claim the new placements; a race lost to another producer takes its shard."""
-        live = self.live_shards()
+        live = self.live_shards(model)
         demands = document_demands(jobs)
         placed, departed, loads = self._affinity.placements_and_loads(
             [demand.prefix_key for demand in demands], live)
@@ -139,7 +145,7 @@ class CacheAwareRouter(Router):
     """`CacheAwarePolicy` seeded with the part of the shared cache estimate that the submit's
     chains touch, under the routing lock."""
 
-    def route(self, jobs: Sequence[RoutingJob]) -> list[Route]:
+    def route(self, jobs: Sequence[RoutingJob], model: str | None = None) -> list[Route]:
         """Route the jobs on the shards' cache estimates under the routing lock, so two producers
         never decide on the same stale estimate."""
         lock = self._redis.lock(ROUTING_LOCK_KEY, timeout=_LOCK_SECONDS,
@@ -149,7 +155,7 @@ class CacheAwareRouter(Router):
                 f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing was "
                 "enqueued, submit again")
         try:
-            live = self.live_shards()
+            live = self.live_shards(model)
             policy, clock = self._load(jobs, live)
             routes = _on_shards(policy.route_jobs(jobs), live)
             self._save(jobs, routes, clock, dict(zip(live, policy.capacity, strict=True)))

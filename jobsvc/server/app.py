@@ -22,10 +22,14 @@ _meta = APIRouter()
 
 @_meta.get("/v1/models")
 def list_models(request: Request) -> ModelList:
-    """The one model this server serves, so clients that ask before they send find its name."""
+    """Every model and adapter the fleet serves or has served, so clients that ask before they
+    send find their names."""
     services = services_of(request)
-    return ModelList(data=[ModelObject(id=services.settings.served_model_name,
-                                       created=services.started)])
+    models = services.client.models
+    return ModelList(data=[ModelObject(
+        id=model.name, created=services.started, root=model.weights, parent=model.base,
+        max_model_len=models.prompts(model).context_length, task=model.task)
+        for model in sorted(models.models().values(), key=lambda model: model.name)])
 
 
 @_meta.get("/health")

@@ -198,12 +198,18 @@ class CreateBatch(BaseModel):
 
 
 class ModelObject(BaseModel):
-    """The served model, as the client's `Model` declares it."""
+    """A served model or adapter, as the client's `Model` declares it, with what vLLM's server
+    adds: the weights it runs (`root`), the model an adapter adapts (`parent`), its context."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jobsvc"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    # `generate` or `embed`: the requests it answers.
+    task: str
 
 
 class ModelList(BaseModel):

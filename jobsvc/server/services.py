@@ -10,13 +10,11 @@ import redis
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
-from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.driver import BatchDriver
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.client import Client
 from jobsvc.fleet import FleetReader
 from jobsvc.metrics import fleet_registry
-from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.store.batches import BatchStore
@@ -49,10 +47,7 @@ class Services:
         """The services of a server run with `settings`; the driver is started apart."""
         client = Client(settings=settings)
         store = Store(settings.resolved_database_url)
-        ingestor = Ingestor(client, PromptBuilder(settings.model, settings.max_model_len),
-                            ChatTemplate(settings.model),
-                            served_model=settings.served_model_name,
-                            limits=settings.job_limits)
+        ingestor = Ingestor(client, limits=settings.job_limits)
         fleet_redis = redis.Redis.from_url(settings.redis_url)
         fleet = FleetReader(settings, fleet_redis, store)
         return cls(settings, client, store, FileStore(store.engine), BatchStore(store.engine),

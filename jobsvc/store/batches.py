@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from jobsvc import compression
 from jobsvc.choices import Choice, stored_choices
+from jobsvc.embeddings import unpack_vectors
 from jobsvc.store.dialect import dialect_of
 from jobsvc.store.paging import page_rows
 from jobsvc.store.records import utcnow
@@ -150,6 +151,15 @@ class OutputRow:
     tool_plan: dict[str, Any] | None = None
     # Prompt tokens the request wrote into the engine's prefix cache, once recorded.
     created_cache_tokens: int | None = None
+    # An embedding line's vectors as stored (`jobsvc.embeddings`), read one line at a time
+    # as the line is written (`embeddings`); None for any other line.
+    embeddings_frame: bytes | None = None
+    # The model or adapter the line's job asked for; None for a line without a job.
+    model: str | None = None
+
+    def embeddings(self) -> list[list[float]] | None:
+        """An embedding answer's vectors, one per input; None for any other line."""
+        return None if self.embeddings_frame is None else unpack_vectors(self.embeddings_frame)
 
     def choices(self) -> tuple[Choice, ...]:
         """Every choice of the answer (one, unless it holds more); empty without an answer.
@@ -368,10 +378,10 @@ class BatchStore:
         query = (
             select(BatchLine.line, BatchLine.custom_id, BatchLine.job_id, BatchLine.error,
                    BatchLine.tool_plan, Job.status, Job.error.label("job_error"),
-                   Job.prompt_tokens, Job.sampling,
+                   Job.prompt_tokens, Job.sampling, Job.model,
                    Job.finished_at, Result.answer_zst, Result.completion_tokens,
                    Result.cached_tokens, Result.finish_reason, Result.choices_zst,
-                   Result.created_cache_tokens)
+                   Result.created_cache_tokens, Result.embeddings_zst)
             .select_from(BatchLine)
             .outerjoin(Job, Job.id == BatchLine.job_id)
             .outerjoin(Result, Result.job_id == Job.id)
@@ -392,4 +402,5 @@ def _output_row(row: Any) -> OutputRow:
         row.line, row.custom_id, row.job_id, row.error, row.status, row.job_error,
         row.prompt_tokens, int(sampling.get("max_tokens", 0)), row.finished_at, answer,
         row.completion_tokens, row.cached_tokens, row.finish_reason, sampling,
-        row.choices_zst, row.tool_plan, row.created_cache_tokens)
+        row.choices_zst, row.tool_plan, row.created_cache_tokens, row.embeddings_zst,
+        row.model)

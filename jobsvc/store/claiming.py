@@ -31,6 +31,7 @@ class Claiming(Database):
         self._claim = (
             update(Job)
             .where(self._sql.among_listed(Job.id, "job_ids"), Job.shard == bindparam("b_shard"),
+                   self._sql.among_listed(Job.model, "b_models"),
                    Job.message_id == bindparam("b_message_id"), unfinished(Job.status),
                    or_(bindparam("redelivered", type_=Boolean),
                        and_(Job.worker.is_(None), Job.status != JobStatus.RUNNING.value)))
@@ -40,18 +41,20 @@ class Claiming(Database):
                     attempts=case((Job.worker.is_(None), Job.attempts + 1),
                                   else_=Job.attempts))
             .returning(Job.id, Job.attempts, Job.isolation, Job.document_key, Job.question,
-                       Job.question_tokens_zst, Job.sampling, Job.estimated_prefill,
+                       Job.question_tokens_zst, Job.sampling, Job.model, Job.estimated_prefill,
                        Job.submitted_at))
 
     def claim_message(self, job_ids: Sequence[str], *, message_id: str, shard: int,
-                    redelivered: bool, worker: str, max_attempts: int) -> Claim:
+                      redelivered: bool, worker: str, max_attempts: int,
+                      models: Sequence[str]) -> Claim:
         """Claim for this worker the jobs that this message may run and read what they run, in
         one transaction; they come back in the order given. Jobs finished, cancelled, on
         another shard or owned by another message are left alone. A job claimed before and
         not finished is a suspect. One that has stopped its engine while running alone (in a
         group of one) `max_attempts` times ends failed instead, and so does one whose
         document reads back as neither tokens nor text (no delivery could run it). A message
-        asks several questions of each document: each is read once."""
+        asks several questions of each document: each is read once. Only jobs for one of
+        `models` (what the worker serves) are claimed."""
         ended: list[tuple[int, int]] = []
         with self.engine.begin() as connection:
             self._sql.lock_in_order(connection, job_ids)
@@ -59,7 +62,7 @@ class Claiming(Database):
                 self._sql.among(Job.id, job_ids), Job.worker.is_not(None))))
             claimed = connection.execute(self._claim, {
                 "job_ids": list(job_ids), "b_message_id": message_id, "b_shard": shard,
-                "redelivered": redelivered, "worker": worker}).all()
+                "redelivered": redelivered, "worker": worker, "b_models": list(models)}).all()
             exhausted = [row.id for row in claimed if row.attempts > max_attempts]
             if exhausted:
                 ended += self._fail(
@@ -84,7 +87,8 @@ class Claiming(Database):
                 continue
             tokens = readable_tokens(f"job {row.id}'s question", row.question_tokens_zst)
             jobs.append(ClaimedJob(row.id, document, row.question if tokens is None else tokens,
-                                   row.sampling, row.estimated_prefill, row.submitted_at,
+                                   row.sampling, row.model, row.estimated_prefill,
+                                   row.submitted_at,
                                    row.id in suspects, row.isolation))
         return Claim(jobs, load_by_shard(ended))
 

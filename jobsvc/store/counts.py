@@ -39,6 +39,19 @@ class Counting(Database):
                 counts.setdefault(shard, {})[status] = int(count)
         return counts
 
+    def active_by_model(self, shard: int | None = None) -> dict[str, dict[str, int]]:
+        """Queued and running jobs by the model they ask for and status, on one shard or all."""
+        query = select(Job.model, Job.status, func.count()).where(
+            Job.status.in_(ACTIVE_STATUSES))
+        if shard is not None:
+            query = query.where(Job.shard == shard)
+        counts: dict[str, dict[str, int]] = {}
+        with self._reads.connect() as connection:
+            for model, status, count in connection.execute(query.group_by(Job.model,
+                                                                          Job.status)):
+                counts.setdefault(model, {})[status] = int(count)
+        return counts
+
     def batch_counts(self) -> dict[str, int] | None:
         """Batches of the batch API by status; None where the schema has no such table yet
         (an embedded demo file made before the batch API)."""

@@ -28,6 +28,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from jobsvc import compression
 from jobsvc.choices import encode_choices
+from jobsvc.embeddings import pack_vectors
 from jobsvc.store.conditions import FINISHED, unfinished
 from jobsvc.store.records import JobOutcome, load_by_shard, utcnow
 from jobsvc.store.tables import Job, Result
@@ -129,15 +130,15 @@ WITH finished AS (
     RETURNING jobs.id, jobs.shard, jobs.load),
 answered AS (
     INSERT INTO results (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
-                         choices_zst, created_cache_tokens, created_at)
+                         choices_zst, created_cache_tokens, embeddings_zst, created_at)
     SELECT r.job_id, r.answer_zst, r.completion_tokens, r.cached_tokens, r.finish_reason,
-           r.choices_zst, r.created_cache_tokens, :recorded_at
+           r.choices_zst, r.created_cache_tokens, r.embeddings_zst, :recorded_at
     FROM unnest(CAST(:result_ids AS varchar[]), CAST(:answers AS bytea[]),
                 CAST(:completion_tokens AS integer[]), CAST(:cached_tokens AS integer[]),
                 CAST(:finish_reasons AS varchar[]), CAST(:choices AS bytea[]),
-                CAST(:created_cache_tokens AS integer[]))
+                CAST(:created_cache_tokens AS integer[]), CAST(:embeddings AS bytea[]))
          AS r (job_id, answer_zst, completion_tokens, cached_tokens, finish_reason,
-               choices_zst, created_cache_tokens)
+               choices_zst, created_cache_tokens, embeddings_zst)
     JOIN finished ON finished.id = r.job_id
     ON CONFLICT DO NOTHING)
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
@@ -223,6 +224,7 @@ class PostgreSQL(Dialect):
             "finish_reasons": [o.finish_reason for o in succeeded],
             "choices": [_choices_frame(o) for o in succeeded],
             "created_cache_tokens": [o.created_cache_tokens for o in succeeded],
+            "embeddings": [_embeddings_frame(o) for o in succeeded],
         }))
 
 
@@ -279,7 +281,7 @@ class SQLite(Dialect):
                  "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens,
                  "finish_reason": o.finish_reason, "choices_zst": _choices_frame(o),
                  "created_cache_tokens": o.created_cache_tokens,
-                 "created_at": recorded_at}
+                 "embeddings_zst": _embeddings_frame(o), "created_at": recorded_at}
                 for o in succeeded])
         connection.execute(
             update(job).where(job.c.id == bindparam("b_id")).values(
@@ -294,3 +296,8 @@ def _choices_frame(outcome: JobOutcome) -> bytes | None:
     """What a result stores of its choices: a frame only for an answer that holds more than
     its text (`JobOutcome.choices`)."""
     return encode_choices(outcome.choices) if outcome.choices else None
+
+
+def _embeddings_frame(outcome: JobOutcome) -> bytes | None:
+    """What a result stores of an embedding job's vectors (none for a generating job)."""
+    return None if outcome.embeddings is None else pack_vectors(outcome.embeddings)

@@ -11,6 +11,7 @@ from sqlalchemy.engine import Connection
 
 from jobsvc import compression
 from jobsvc.choices import stored_choices
+from jobsvc.embeddings import unpack_vectors
 from jobsvc.errors import JobNotFound
 from jobsvc.finish_signal import FinishSignal
 from jobsvc.store.conditions import unfinished
@@ -64,10 +65,11 @@ class Reading(Database):
     def get_many(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
         """The jobs among `job_ids` that exist, with their answers, in one query."""
         query = (
-            select(Job.id, Job.status, Job.error, Job.shard, Job.prompt_tokens, Job.submitted_at,
+            select(Job.id, Job.status, Job.error, Job.model, Job.shard, Job.prompt_tokens,
+                   Job.submitted_at,
                    Job.started_at, Job.finished_at, Result.answer_zst, Result.completion_tokens,
                    Result.cached_tokens, Result.created_at, Result.finish_reason,
-                   Result.choices_zst)
+                   Result.choices_zst, Result.embeddings_zst)
             .outerjoin(Result, Result.job_id == Job.id)
             .where(self._sql.among(Job.id, job_ids))
         )
@@ -101,9 +103,10 @@ def _record(row: Any) -> JobRecord:
               else compression.decompress(row.answer_zst).decode())
     return JobRecord(
         job_id=row.id, status=JobStatus(row.status), answer=answer, error=row.error,
-        shard=row.shard, prompt_tokens=row.prompt_tokens,
+        model=row.model, shard=row.shard, prompt_tokens=row.prompt_tokens,
         completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
         submitted_at=row.submitted_at, started_at=row.started_at, finished_at=row.finished_at,
         recorded_at=row.created_at,
         choices=() if answer is None else stored_choices(
-            answer, row.finish_reason, row.completion_tokens, row.choices_zst))
+            answer, row.finish_reason, row.completion_tokens, row.choices_zst),
+        embeddings=None if row.embeddings_zst is None else unpack_vectors(row.embeddings_zst))

@@ -46,6 +46,8 @@ class NewJob:
     # The question's tokens as the producer made them.
     question_tokens: Sequence[int]
     sampling: dict[str, Any]
+    # The served model or adapter it asks for.
+    model: str
     shard: int
     prompt_tokens: int
     estimated_prefill: int
@@ -83,6 +85,8 @@ class JobRecord:
     status: JobStatus
     answer: str | None
     error: str | None
+    # The served model or adapter it asked for.
+    model: str
     shard: int
     prompt_tokens: int
     completion_tokens: int | None
@@ -98,6 +102,9 @@ class JobRecord:
     # Every answer of a succeeded job, each with its log probabilities if the job asked for
     # them: one choice unless the job asked for several (`n`); empty until it succeeds.
     choices: tuple[Choice, ...] = ()
+    # A succeeded embedding job's vectors, one per input in order (its answer is empty);
+    # None for any other job.
+    embeddings: list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,6 +121,8 @@ class ClaimedJob:
     document: tuple[int, ...] | str
     question: tuple[int, ...] | str
     sampling: dict[str, Any]
+    # The served model or adapter it asks for.
+    model: str
     estimated_prefill: int
     submitted_at: datetime
     # Claimed before and never finished: the engine it ran in died, perhaps of this job, so
@@ -152,6 +161,10 @@ class MovableJob:
     answer_tokens: int
     # What its current shard was charged for it.
     load: int
+    # The served model or adapter it asks for: it moves only to a shard serving that.
+    model: str
+    # Routed by load alone, not by its prompt's blocks (an embedding job).
+    by_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +183,8 @@ class JobOutcome:
     choices: tuple[Choice, ...] = ()
     # Prompt tokens the request wrote into the engine's prefix cache.
     created_cache_tokens: int | None = None
+    # An embedding job's vectors, one per input in order; None for a generating job.
+    embeddings: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def status(self) -> JobStatus:

@@ -4,7 +4,7 @@ stranded jobs again, a departing shard's jobs moved elsewhere)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +12,7 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.engine import Connection
 
 from jobsvc import compression
+from jobsvc.embeddings import is_embedding
 from jobsvc.routing.job_cost import Route, answer_tokens
 from jobsvc.store.conditions import sent_before, unclaimed
 from jobsvc.store.database import Database
@@ -30,7 +31,8 @@ def _document_row(document: NewDocument, now: datetime) -> dict[str, Any]:
 def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
     return {"id": job.job_id, "document_key": job.document_key, "question": job.question,
             "question_tokens_zst": compression.pack_tokens(job.question_tokens),
-            "sampling": job.sampling, "shard": job.shard, "status": JobStatus.QUEUED.value,
+            "sampling": job.sampling, "model": job.model, "shard": job.shard,
+            "status": JobStatus.QUEUED.value,
             "prompt_tokens": job.prompt_tokens, "estimated_prefill": job.estimated_prefill,
             "load": job.load, "message_id": job.message_id, "submitted_at": now,
             "enqueued_at": now, "idempotency_key": job.idempotency_key}
@@ -83,12 +85,14 @@ class Submitting(Database):
             connection.execute(Job.__table__.delete().where(self._sql.among(Job.id, job_ids)))
 
     def stranded_jobs(self, enqueued_before: datetime, live_messages: Sequence[str],
-                      limit: int) -> dict[int, list[str]]:
+                      limit: int, *, skipped: Collection[int] = ()) -> dict[int, list[str]]:
         """Unfinished jobs sent before `enqueued_before` whose message is none of the live
-        ones, by shard: nothing will ever run them unless they are sent again."""
+        ones, by shard, except on the `skipped` shards: nothing will ever run them unless
+        they are sent again."""
         query = (
             select(Job.shard, Job.id)
             .where(Job.status.in_(ACTIVE_STATUSES), sent_before(enqueued_before),
+                   Job.shard.not_in(list(skipped)),
                    or_(Job.message_id.is_(None),
                        ~self._sql.among(Job.message_id, list(live_messages))))
             .order_by(Job.submitted_at)
@@ -100,11 +104,13 @@ class Submitting(Database):
         return stranded
 
     def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
-                      enqueued_before: datetime | None, limit: int) -> list[MovableJob]:
-        """Unfinished jobs on a shard that is leaving (all, or only those no worker has
-        claimed), oldest first, with what routing them again needs."""
-        query = select(Job.id, Job.document_key, Job.prompt_tokens, Job.sampling, Job.load).where(
-            Job.shard == shard, Job.status.in_(ACTIVE_STATUSES))
+                      enqueued_before: datetime | None, models: Collection[str],
+                      limit: int) -> list[MovableJob]:
+        """Unfinished jobs of these models on a shard that is leaving (all, or only those no
+        worker has claimed), oldest first, with what routing them again needs."""
+        query = select(Job.id, Job.document_key, Job.prompt_tokens, Job.sampling, Job.load,
+                       Job.model).where(
+            Job.shard == shard, Job.status.in_(ACTIVE_STATUSES), Job.model.in_(list(models)))
         if unclaimed_only:
             query = query.where(unclaimed())
         if enqueued_before is not None:
@@ -113,7 +119,8 @@ class Submitting(Database):
             rows = connection.execute(query.order_by(Job.submitted_at).limit(limit)).all()
             documents = self._documents(connection, {row.document_key for row in rows})
         return [MovableJob(row.id, row.document_key, documents.get(row.document_key),
-                           row.prompt_tokens, answer_tokens(row.sampling), row.load)
+                           row.prompt_tokens, answer_tokens(row.sampling), row.load,
+                           row.model, is_embedding(row.sampling))
                 for row in rows]
 
     def move_jobs(self, shard: int, messages: Sequence[QueueMessage],

@@ -21,7 +21,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from jobsvc.validation import MAX_IDEMPOTENCY_KEY_CHARS
+from jobsvc.validation import MAX_IDEMPOTENCY_KEY_CHARS, MAX_MODEL_NAME_CHARS
 
 
 class Base(DeclarativeBase):
@@ -50,6 +50,8 @@ class Job(Base):
     document_key: Mapped[str] = mapped_column(ForeignKey("documents.key"), index=True)
     question: Mapped[str] = mapped_column(Text)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The served model (or LoRA adapter) it asks for: only a worker serving it runs the job.
+    model: Mapped[str] = mapped_column(String(MAX_MODEL_NAME_CHARS))
     shard: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), index=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer)
@@ -95,6 +97,8 @@ class Result(Base):
     # Every choice with its log probabilities and stop reason (jobsvc.choices), for an answer
     # that holds more than its text; `answer_zst` holds the first choice's text.
     choices_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # An embedding job's vectors (jobsvc.embeddings.pack_vectors); its answer is empty.
+    embeddings_zst: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class BatchStat(Base):

@@ -113,7 +113,8 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
             {"key": key, "text_zst": text_zst, "tokens_zst": tokens_zst, "tokens": 3,
              "created_at": utcnow()} for key, (text_zst, tokens_zst) in documents.items()])
     harness.store.record_submitted([], [
-        NewJob(job_ids[key], key, "?", (5,), {"max_tokens": 4}, shard=0, prompt_tokens=4,
+        NewJob(job_ids[key], key, "?", (5,), {"max_tokens": 4}, harness.settings.served_model_name,
+               shard=0, prompt_tokens=4,
                estimated_prefill=4, load=4, message_id=message.message_id)
         for key in documents])
     publish(make_celery(harness.settings), [message])

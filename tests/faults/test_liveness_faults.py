@@ -124,7 +124,8 @@ def test_a_heartbeat_restored_with_an_old_age_counts_no_further_back_than_redis_
     # As a server restored from a snapshot keeps it: written long ago, its expiry unchanged.
     restored = Heartbeat(shard=7, worker="shard7@elsewhere", host="elsewhere", pid=1,
                          up_s=1.0, engine_ready=True, messages_in_flight=0,
-                         last_message_finished_s=None, metrics_port=None)
+                         last_message_finished_s=None, metrics_port=None, task="generate",
+                         models=["jobsvc"])
     broker.set(heartbeat_key(7), restored.to_json(), ex=KEEP_SECONDS - 10 * SHARD_TIMEOUT)
     workers = read_heartbeats(broker)
     assert workers[7].age_s > 9 * SHARD_TIMEOUT

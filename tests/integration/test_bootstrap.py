@@ -154,7 +154,8 @@ class Broken(bootsteps.StartStopStep):
     def start(self, worker):
         raise RuntimeError("an error the worker cannot recover from")
 
-settings = Settings.from_env({}, redis_url=sys.argv[1], worker_concurrency=1)
+settings = Settings.from_env({}, redis_url=sys.argv[1], database_url=sys.argv[2],
+                             worker_concurrency=1)
 app = make_celery(settings)
 app.steps["worker"].add(Broken)
 jobsvc.workers.celery_app.create_worker_app = lambda _settings, _shard: app
@@ -163,7 +164,8 @@ run_worker(settings, 97, None)
 
 
 def test_a_worker_that_hits_an_unrecoverable_error_exits_non_zero(settings: Settings) -> None:
-    done = subprocess.run([sys.executable, "-c", _FAILING_WORKER, settings.redis_url],
+    done = subprocess.run([sys.executable, "-c", _FAILING_WORKER, settings.redis_url,
+                           settings.resolved_database_url],
                           capture_output=True, timeout=120)
     assert b"Unrecoverable error" in done.stdout + done.stderr, done.stderr[-2000:]
     assert done.returncode == 1

@@ -21,7 +21,7 @@ from jobsvc.keys import (
     queue_name,
 )
 from jobsvc.reconcile import Reconciler, message_ids
-from jobsvc.routing.live import LIVE_SET_SECONDS, LiveShards
+from jobsvc.routing.live import LIVE_SET_SECONDS, LiveShards, ModelShards
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.store.tables import Job
@@ -34,7 +34,8 @@ pytestmark = pytest.mark.integration
 def _beat(client: redis.Redis, shard: int) -> None:
     write_heartbeat(client, Heartbeat(
         shard=shard, worker=f"shard{shard}@test", host="test", pid=os.getpid(), up_s=1.0,
-        engine_ready=True, messages_in_flight=0, last_message_finished_s=None, metrics_port=None))
+        engine_ready=True, messages_in_flight=0, last_message_finished_s=None, metrics_port=None,
+        task="generate", models=["jobsvc"]))
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "affinity", "cache_aware"])
@@ -76,12 +77,13 @@ def test_a_draining_shard_is_left_out_once_the_live_set_is_read_again(
     _beat(broker, 4)
     now = [0.0]
     live = LiveShards(broker, routing_settings.shards, clock=lambda: now[0])
-    assert live.shards() == (0, 4)
+    model = routing_settings.served_model_name
+    assert live.shards(model) == ModelShards((0, 4), True)
     broker.sadd(DRAINING_KEY, 4)
     now[0] += LIVE_SET_SECONDS / 2
-    assert live.shards() == (0, 4)
+    assert live.shards(model).shards == (0, 4)
     now[0] += LIVE_SET_SECONDS
-    assert live.shards() == (0,)
+    assert live.shards(model).shards == (0,)
 
 
 def test_a_dead_shards_jobs_move_once_to_live_shards_and_its_routing_state_is_forgotten(

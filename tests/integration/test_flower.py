@@ -134,7 +134,7 @@ def test_flower_started_before_any_worker_lists_every_shard_queue_with_its_lengt
     broker = redis.Redis.from_url(routing_settings.redis_url)
     beyond = routing_settings.shards + 1
     write_heartbeat(broker, Heartbeat(beyond, f"shard{beyond}@elsewhere", "elsewhere", 7, 1.0,
-                                      False, 0, None, None))
+                                      False, 0, None, None, "generate", ["jobsvc"]))
     credentials = CREDENTIALS
     with Client(settings=routing_settings) as client, \
             running_flower(routing_settings, FLOWER_BASIC_AUTH=credentials) as flower:
@@ -155,7 +155,8 @@ def test_flower_started_before_any_worker_lists_every_shard_queue_with_its_lengt
         # A shard that comes alive later shows from Flower's next look at the workers.
         later = beyond + 1
         write_heartbeat(broker, Heartbeat(later, f"shard{later}@elsewhere", "elsewhere", 8,
-                                          1.0, False, 0, None, None))
+                                          1.0, False, 0, None, None, "generate",
+                                          ["jobsvc"]))
         _get(f"{flower}/api/workers?refresh=1", credentials)
         assert broker_page_queues(flower, credentials)[queue_name(later)] == 0
         for job_id in ids:
@@ -205,7 +206,8 @@ def _message_with_a_failing_job(settings: Settings, store: Store) -> list[str]:
     tokens = {message.job_ids[0]: [7, 8, 9], message.job_ids[1]: [1, 2, 10_000_000]}
     store.record_submitted(
         [NewDocument(job_id, "", ids) for job_id, ids in tokens.items()],
-        [NewJob(job_id, job_id, "?", (5,), {"max_tokens": 2}, shard=0, prompt_tokens=4,
+        [NewJob(job_id, job_id, "?", (5,), {"max_tokens": 2}, settings.served_model_name,
+                shard=0, prompt_tokens=4,
                 estimated_prefill=4, load=4, message_id=message.message_id)
          for job_id in tokens])
     publish(make_celery(settings), [message])

@@ -29,7 +29,8 @@ SHARD_TIMEOUT = 15
 def _beat(client: redis.Redis, shard: int) -> None:
     write_heartbeat(client, Heartbeat(
         shard=shard, worker=f"shard{shard}@test", host="test", pid=os.getpid(), up_s=1.0,
-        engine_ready=True, messages_in_flight=0, last_message_finished_s=None, metrics_port=None))
+        engine_ready=True, messages_in_flight=0, last_message_finished_s=None, metrics_port=None,
+        task="generate", models=["jobsvc"]))
 
 
 def _long_queued_jobs(store: Store, shard: int, count: int) -> list[str]:

@@ -15,14 +15,12 @@ import zstandard
 from sqlalchemy import func, select
 
 from jobsvc import Client, InvalidJob, JobStatus
-from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.line_requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 from jobsvc.batchapi.lines import RequestLine
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.compression import KOMBU_CODEC
 from jobsvc.keys import AFFINITY_KEY, ALL_QUEUES_PATTERN, dead_letter_key, queue_name
-from jobsvc.prompts import PromptBuilder
 from jobsvc.store import Store
 from jobsvc.store.tables import Job
 from jobsvc.transport import RUN_MESSAGE_TASK
@@ -100,9 +98,7 @@ def test_min_tokens_over_max_tokens_is_refused_alike_by_submit_and_by_a_batch_li
         with pytest.raises(InvalidJob) as refused:
             client.submit_many([{"document": GOOD_DOCUMENT, "question": GOOD_QUESTION,
                                  "max_tokens": 8, "min_tokens": 9}])
-        ingestor = Ingestor(client, PromptBuilder(routing_settings.model),
-                            ChatTemplate(routing_settings.model), served_model="jobsvc",
-                            limits=routing_settings.job_limits)
+        ingestor = Ingestor(client, limits=routing_settings.job_limits)
         (line,) = ingestor.ingest(f"batch_{uuid.uuid4().hex}", endpoint,
                                   [RequestLine(1, "min-over-max", body)])
         assert _trace(store, routing_settings.redis_url) == before

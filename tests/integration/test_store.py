@@ -16,7 +16,7 @@ from jobsvc.compression import compress, pack_tokens
 from jobsvc.store import JobOutcome, MessageStats, NewDocument, Store, utcnow
 from jobsvc.store.tables import BatchStat, Document, Job
 from jobsvc.wire import JobStatus, QueueMessage
-from tests.support.jobs import TEST_MESSAGE, claim, new_job, record_queued_job
+from tests.support.jobs import TEST_MESSAGE, TEST_MODEL, claim, new_job, record_queued_job
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +32,11 @@ def test_a_group_charge_raises_its_members_isolation_and_only_a_run_alone_is_an_
     first, second, third, bystander = (queued_job() for _ in range(4))
     group = [first, second, third]
     claimed = store.claim_message([*group, bystander], message_id=TEST_MESSAGE, shard=0,
-                                redelivered=False, worker="w", max_attempts=3)
+                                redelivered=False, worker="w", max_attempts=3, models=[TEST_MODEL])
     assert [(job.suspect, job.isolation) for job in claimed.jobs] == [(False, 0)] * 4
     assert store.charge_isolated(group, 3) == set(group)
     again = store.claim_message([*group, bystander], message_id=TEST_MESSAGE, shard=0,
-                              redelivered=True, worker="w", max_attempts=3)
+                              redelivered=True, worker="w", max_attempts=3, models=[TEST_MODEL])
     assert [(job.job_id, job.suspect, job.isolation) for job in again.jobs] == [
         (first, True, 3), (second, True, 3), (third, True, 3), (bystander, True, 0)]
     # A group of one runs alone: that counts as an attempt, a larger group's run does not.
@@ -54,12 +54,12 @@ def test_a_job_that_stopped_its_engine_alone_max_attempts_times_ends_failed_with
         store: Store, queued_job: Callable[[], str]) -> None:
     job_id, mate = queued_job(), queued_job()
     first = store.claim_message([job_id, mate], message_id=TEST_MESSAGE, shard=0,
-                              redelivered=False, worker="w", max_attempts=3)
+                              redelivered=False, worker="w", max_attempts=3, models=[TEST_MODEL])
     assert [job.suspect for job in first.jobs] == [False, False]
     # Deliveries that died in company, or in a group of several, charge no attempt.
     for level in range(1, 5):
         again = store.claim_message([job_id], message_id=TEST_MESSAGE, shard=0,
-                                  redelivered=True, worker="w", max_attempts=3)
+                                  redelivered=True, worker="w", max_attempts=3, models=[TEST_MODEL])
         assert [(job.job_id, job.suspect) for job in again.jobs] == [(job_id, True)]
         assert store.charge_isolated([job_id, mate], level) == {job_id, mate}
     for level in range(5, 8):
@@ -332,7 +332,7 @@ def test_a_claim_reads_the_recorded_question_tokens_or_else_the_question_text(
     tokens, text = record_queued_job(store, question_tokens_zst=pack_tokens([9, 8])), \
         record_queued_job(store, question_tokens_zst=b"not a frame")
     claimed = store.claim_message([tokens, text], message_id=TEST_MESSAGE, shard=0,
-                                redelivered=False, worker="w", max_attempts=3)
+                                redelivered=False, worker="w", max_attempts=3, models=[TEST_MODEL])
     assert {job.job_id: job.question for job in claimed.jobs} == {tokens: (9, 8), text: "q"}
 
 
@@ -349,7 +349,7 @@ def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: St
     for level in range(1, 4):
         store.charge_isolated([exhausted], level)
     given_up = store.claim_message([exhausted], message_id=TEST_MESSAGE, shard=0,
-                                 redelivered=True, worker="w", max_attempts=3)
+                                 redelivered=True, worker="w", max_attempts=3, models=[TEST_MODEL])
     assert (given_up.jobs, given_up.released) == ([], {0: 40})
 
 
@@ -397,7 +397,7 @@ def test_a_claim_returns_its_jobs_in_the_order_the_message_gave_them(store: Stor
     job_ids = [record_queued_job(store) for _ in range(12)]
     given = job_ids[::2] + job_ids[1::2][::-1]
     claimed = store.claim_message(given, message_id=TEST_MESSAGE, shard=0, redelivered=False,
-                                worker="w", max_attempts=3)
+                                worker="w", max_attempts=3, models=[TEST_MODEL])
     assert [job.job_id for job in claimed.jobs] == given
 
 

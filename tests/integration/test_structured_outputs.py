@@ -160,9 +160,11 @@ def test_a_constraint_the_engine_refuses_fails_its_job_alone(client: Client) -> 
     refuses ends its job failed with the engine's reason; its message-mate answers."""
     prefix = list(range(100, 140))
     jobs = [PreparedJob("engine refusal document", prefix, "q", [7, 8], {
-                "max_tokens": 8, "structured_outputs": {"regex": "("}}),
+                "max_tokens": 8, "structured_outputs": {"regex": "("}},
+                        model=client.settings.served_model_name),
             PreparedJob("engine refusal document", prefix, "q", [9, 10], {
-                "max_tokens": 8, "structured_outputs": {"choice": CHOICES}})]
+                "max_tokens": 8, "structured_outputs": {"choice": CHOICES}},
+                        model=client.settings.served_model_name)]
     refused, answered = client.wait(client.submit_prepared(jobs), timeout=TIMEOUT)
     assert refused.status is JobStatus.FAILED and "regex" in refused.error, refused.error
     assert answered.status is JobStatus.SUCCEEDED and answered.answer in CHOICES

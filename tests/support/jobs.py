@@ -12,16 +12,18 @@ from sqlalchemy import update
 from jobsvc.store import NewDocument, NewJob, Store
 from jobsvc.store.tables import Job
 
-# The message that the jobs `record_queued_job` records belong to.
+# The message that the jobs `record_queued_job` records belong to, and the model they ask for.
 TEST_MESSAGE = "test-message"
+TEST_MODEL = "jobsvc"
 _SUBMITTED = {field.name for field in fields(NewJob)}
 
 
 def new_job(job_id: str, document_key: str, **given: Any) -> NewJob:
     """A job as a submit hands it to the store, on shard 0, owned by TEST_MESSAGE."""
     return NewJob(**{"job_id": job_id, "document_key": document_key, "question": "q",
-                     "question_tokens": (2,), "sampling": {}, "shard": 0, "prompt_tokens": 2,
-                     "estimated_prefill": 2, "load": 2, "message_id": TEST_MESSAGE, **given})
+                     "question_tokens": (2,), "sampling": {}, "model": TEST_MODEL, "shard": 0,
+                     "prompt_tokens": 2, "estimated_prefill": 2, "load": 2,
+                     "message_id": TEST_MESSAGE, **given})
 
 
 def record_queued_job(store: Store, **given: Any) -> str:
@@ -44,5 +46,6 @@ def claim(store: Store, job_ids: list[str], *, redelivered: bool = False
           ) -> dict[str, tuple[int, ...] | str]:
     """Claim jobs as TEST_MESSAGE's worker on shard 0; their documents by job ID."""
     claimed = store.claim_message(job_ids, message_id=TEST_MESSAGE, shard=0,
-                                redelivered=redelivered, worker="w", max_attempts=3)
+                                redelivered=redelivered, worker="w", max_attempts=3,
+                                models=[TEST_MODEL])
     return {job.job_id: job.document for job in claimed.jobs}

@@ -108,7 +108,7 @@ def test_a_file_of_more_than_the_limit_of_requests_fails_and_an_empty_one_too() 
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "q"}], "temperature": 2.5}, "temperature"),
     ({"messages": [{"role": "user", "content": "q"}], "top_p": 0}, "top_p"),
-    ({"messages": [{"role": "user", "content": "q"}], "model": "gpt-4o"}, "model"),
+    ({"messages": [{"role": "user", "content": "q"}], "model": 7}, "model"),
     ({"messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "q"}], "frobnicate": 1}, "frobnicate"),
@@ -117,7 +117,7 @@ def test_a_file_of_more_than_the_limit_of_requests_fails_and_an_empty_one_too() 
 def test_a_chat_line_asking_for_what_is_not_served_fails_naming_the_field(
         body: dict[str, object], param: str) -> None:
     with pytest.raises(LineError) as refused:
-        parse_request(CHAT_ENDPOINT, body, served_model="jobsvc", limits=LIMITS)
+        parse_request(CHAT_ENDPOINT, body, limits=LIMITS)
     assert refused.value.param == param
     assert refused.value.to_api()["type"] == "invalid_request_error"
 
@@ -130,7 +130,7 @@ def test_sampling_maps_from_both_endpoints_with_openai_defaults() -> None:
                                             {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "max_tokens": 99, "top_p": 0.5, "seed": 3, "stop": "END",
         "presence_penalty": 0.1, "top_k": 5, "repetition_penalty": 1.1},
-        served_model="jobsvc", limits=LIMITS)
+        limits=LIMITS)
     assert isinstance(chat, ChatRequest)
     assert chat.max_tokens == 7
     assert chat.messages == [{"role": "system", "content": "be brief"},
@@ -138,16 +138,16 @@ def test_sampling_maps_from_both_endpoints_with_openai_defaults() -> None:
     assert chat.sampling == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": ["END"],
                              "presence_penalty": 0.1, "top_k": 5, "repetition_penalty": 1.1}
     unlimited = parse_request(CHAT_ENDPOINT, {"messages": [{"role": "user", "content": "q"}]},
-                              served_model="jobsvc", limits=LIMITS)
+                              limits=LIMITS)
     assert unlimited.max_tokens is None
     completion = parse_request(COMPLETIONS_ENDPOINT, {"prompt": ["text"], "temperature": 0},
-                               served_model="jobsvc", limits=LIMITS)
+                               limits=LIMITS)
     assert isinstance(completion, CompletionRequest)
     assert (completion.prompt, completion.max_tokens, completion.sampling) == (
         "text", 16, {"temperature": 0})
     with pytest.raises(LineError) as refused:
         parse_request(COMPLETIONS_ENDPOINT, {"prompt": "x", "echo": True},
-                      served_model="jobsvc", limits=LIMITS)
+                      limits=LIMITS)
     assert refused.value.param == "echo"
 
 
@@ -156,11 +156,11 @@ def test_a_lines_structured_output_becomes_its_jobs_constraint_or_a_named_refusa
     chat = parse_request(CHAT_ENDPOINT, {
         "messages": [{"role": "user", "content": "q"}], "response_format": {
             "type": "json_schema", "json_schema": {"name": "label", "schema": schema}}},
-        served_model="jobsvc", limits=LIMITS)
+        limits=LIMITS)
     assert chat.sampling["structured_outputs"] == {"json": schema}
     completion = parse_request(COMPLETIONS_ENDPOINT, {
         "prompt": "q", "structured_outputs": {"choice": ["a", "b"]}},
-        served_model="jobsvc", limits=LIMITS)
+        limits=LIMITS)
     assert completion.sampling["structured_outputs"] == {"choice": ["a", "b"]}
     for body, param, code in [
             ({"response_format": {"type": "structural_tag"}}, "response_format.type",
@@ -168,7 +168,7 @@ def test_a_lines_structured_output_becomes_its_jobs_constraint_or_a_named_refusa
             ({"structured_outputs": {"regex": "("}}, "structured_outputs", "invalid_value")]:
         with pytest.raises(LineError) as refused:
             parse_request(CHAT_ENDPOINT, {"messages": [{"role": "user", "content": "q"}],
-                                          **body}, served_model="jobsvc", limits=LIMITS)
+                                          **body}, limits=LIMITS)
         assert (refused.value.param, refused.value.code) == (param, code)
 
 

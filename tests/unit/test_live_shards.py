@@ -8,17 +8,20 @@ import pytest
 from jobsvc.departures import dead_shards
 from jobsvc.errors import ConfigurationError
 from jobsvc.health import ALIVE_SECONDS, Heartbeat, SeenWorker
-from jobsvc.routing.live import NoLiveShard, live_shard_ids
+from jobsvc.routing.live import ModelShards, NoLiveShard, live_shard_ids, model_shard_ids
+from jobsvc.routing.prefix import adapted, document_keys
 from jobsvc.settings import Settings
 from jobsvc.workers.bootstrap import held_elsewhere
 
 pytestmark = pytest.mark.unit
 
 
-def _seen(shard: int, age_s: float = 1.0, *, stopped: bool = False) -> SeenWorker:
+def _seen(shard: int, age_s: float = 1.0, *, stopped: bool = False,
+          models: tuple[str, ...] = ("jobsvc",)) -> SeenWorker:
     heartbeat = Heartbeat(shard=shard, worker=f"shard{shard}@host", host="host", pid=1, up_s=1.0,
                           engine_ready=True, messages_in_flight=0, last_message_finished_s=None,
-                          metrics_port=None, stopped=stopped)
+                          metrics_port=None, task="generate", models=list(models),
+                          stopped=stopped)
     return SeenWorker(heartbeat, age_s)
 
 
@@ -49,6 +52,40 @@ def test_a_draining_shard_takes_no_new_work() -> None:
 def test_nothing_to_route_to_when_every_shard_drains() -> None:
     with pytest.raises(NoLiveShard, match="draining"):
         live_shard_ids({3: _seen(3)}, {3}, 1)
+
+
+def test_a_models_jobs_go_to_the_live_shards_serving_it_its_adapters_included() -> None:
+    workers = {0: _seen(0, models=("a", "a-sql")), 1: _seen(1, models=("b",)),
+               2: _seen(2, models=("a",)), 3: _seen(3, ALIVE_SECONDS + 1, models=("b",))}
+    registered = {0: ["a", "a-sql"], 1: ["b"], 2: ["a"], 3: ["b"]}
+    assert model_shard_ids("a", workers, set(), 1, registered) == ModelShards((0, 2), True)
+    assert model_shard_ids("a-sql", workers, set(), 1, registered) == ModelShards((0,), True)
+    assert model_shard_ids("b", workers, {1}, 1, registered) == ModelShards((3,), False)
+
+
+def test_a_model_without_a_live_worker_waits_on_the_shards_that_served_it() -> None:
+    workers = {0: _seen(0, models=("a",)), 5: _seen(5, ALIVE_SECONDS + 1, models=("b",))}
+    registered = {0: ["a"], 5: ["b"], 7: ["b"]}
+    assert model_shard_ids("b", workers, set(), 2, registered) == ModelShards((5, 7), False)
+    with pytest.raises(NoLiveShard, match="'b'"):
+        model_shard_ids("b", workers, {5, 7}, 2, registered)
+
+
+def test_until_a_worker_registers_the_configured_shards_stand_in_for_any_model() -> None:
+    assert model_shard_ids("a", {}, {1}, 3, {}) == ModelShards((0, 2), True)
+
+
+def test_adapter_keys_differ_from_the_models_but_keep_shared_blocks_shared() -> None:
+    shared = list(range(256))
+    first = document_keys([*shared, *range(1000, 1128)], 128)
+    second = document_keys([*shared, *range(2000, 2128)], 128)
+    first_sql, second_sql = adapted(first, "sql"), adapted(second, "sql")
+    assert first_sql.document_key == first.document_key
+    assert not set(first_sql.blocks) & set(first.blocks)
+    assert first_sql.blocks[:2] == second_sql.blocks[:2]
+    assert first_sql.blocks[2] != second_sql.blocks[2]
+    assert adapted(first, "legal").blocks[0] != first_sql.blocks[0]
+    assert first_sql.prefix_key not in (first.prefix_key, adapted(first, "legal").prefix_key)
 
 
 def test_a_shard_silent_past_the_timeout_is_dead_and_a_live_one_never() -> None:

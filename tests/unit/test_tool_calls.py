@@ -357,8 +357,7 @@ def test_plain_conversations_render_as_before(messages: list[dict[str, Any]]) ->
 
 
 def chat_line(limits: JobLimits = LIMITS, **body: Any) -> ChatRequest:
-    parsed = parse_request(CHAT_ENDPOINT, {"messages": QUESTION, **body}, served_model="jobsvc",
-                           limits=limits)
+    parsed = parse_request(CHAT_ENDPOINT, {"messages": QUESTION, **body}, limits=limits)
     assert isinstance(parsed, ChatRequest)
     return parsed
 
@@ -423,7 +422,7 @@ def test_tool_fields_a_line_gets_wrong_are_named(endpoint: str, body: dict[str, 
     if endpoint == CHAT_ENDPOINT:
         body = {"messages": QUESTION, **body}
     with pytest.raises(LineError) as refused:
-        parse_request(endpoint, body, served_model="jobsvc", limits=LIMITS)
+        parse_request(endpoint, body, limits=LIMITS)
     assert (refused.value.param, refused.value.code) == (param, code)
 
 

@@ -4,8 +4,9 @@ not its worker is up. Each worker serves its own engine's and messages' metrics
 (`jobsvc.workers.metrics`).
 
 Families: `jobsvc_queue_messages{queue,shard}`, `jobsvc_jobs{status,shard}` (queued and
-running), `jobsvc_shard_outstanding_load{shard}`, `jobsvc_worker_healthy{shard}` and, where the
-store has the batch API's table, `jobsvc_batches{status}`."""
+running), `jobsvc_shard_outstanding_load{shard}`, `jobsvc_worker_healthy{shard,model}`, by model
+`jobsvc_model_jobs{model,status}` and `jobsvc_model_workers{model}` and, where the store has
+the batch API's table, `jobsvc_batches{status}`."""
 
 from __future__ import annotations
 
@@ -31,7 +32,14 @@ def fleet_families(fleet: Fleet) -> list[Metric]:
                               labels=["shard"])
     healthy = GaugeMetricFamily("jobsvc_worker_healthy",
                                 "1 if the shard's worker sent a heartbeat lately and its engine "
-                                "is ready, else 0", labels=["shard"])
+                                "is ready, else 0; model is the one it serves, empty if unknown",
+                                labels=["shard", "model"])
+    model_jobs = GaugeMetricFamily("jobsvc_model_jobs", "Unfinished jobs by the model they ask "
+                                   "for and status", labels=["model", "status"])
+    model_workers = GaugeMetricFamily("jobsvc_model_workers",
+                                      "Live workers serving the model or adapter; at 0 its "
+                                      "jobs wait for one",
+                                      labels=["model"])
     for view in fleet.shards:
         shard = str(view.shard)
         queues.add_metric([queue_name(view.shard), shard], view.queue_messages)
@@ -39,8 +47,12 @@ def fleet_families(fleet: Fleet) -> list[Metric]:
             jobs.add_metric([status, shard], count)
         if view.outstanding_load is not None:
             loads.add_metric([shard], view.outstanding_load)
-        healthy.add_metric([shard], int(view.healthy))
-    families: list[Metric] = [queues, jobs, loads, healthy]
+        healthy.add_metric([shard, view.models[0] if view.models else ""], int(view.healthy))
+    for model in fleet.models:
+        for status, count in model.jobs.items():
+            model_jobs.add_metric([model.name, status], count)
+        model_workers.add_metric([model.name], model.workers)
+    families: list[Metric] = [queues, jobs, loads, healthy, model_jobs, model_workers]
     if fleet.batches is not None:
         batches = GaugeMetricFamily("jobsvc_batches", "Batches of the batch API by status",
                                     labels=["status"])

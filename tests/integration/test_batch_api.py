@@ -16,13 +16,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobsvc.batchapi.chat_template import ChatTemplate
 from jobsvc.batchapi.ingest import Ingestor
 from jobsvc.batchapi.lines import RequestLine
 from jobsvc.child_processes import LocalWorkers
 from jobsvc.client import Client
 from jobsvc.keys import queue_name
-from jobsvc.prompts import PromptBuilder
 from jobsvc.runbatch import run_batch
 from jobsvc.settings import Settings
 from jobsvc.store import Store
@@ -108,7 +106,7 @@ def test_a_wrong_key_gets_401_and_an_unknown_id_404(api: openai.OpenAI, api_url:
     with pytest.raises(openai.NotFoundError):
         api.batches.cancel("batch_nope")
     with pytest.raises(openai.BadRequestError) as refused:
-        api.batches.create(input_file_id=upload(api, b"{}\n"), endpoint="/v1/embeddings",
+        api.batches.create(input_file_id=upload(api, b"{}\n"), endpoint="/v1/moderations",
                            completion_window="24h")
     assert refused.value.body["param"] == "endpoint"
 
@@ -244,9 +242,7 @@ def test_listing_batches_page_by_page_sees_each_once_newest_first(api: openai.Op
 def test_a_line_submitted_again_gets_the_job_it_made_the_first_time(
         routing_settings: Settings, store: Store) -> None:
     with Client(settings=routing_settings) as client:
-        ingestor = Ingestor(client, PromptBuilder(routing_settings.model),
-                            ChatTemplate(routing_settings.model), served_model="jobsvc",
-                            limits=routing_settings.job_limits)
+        ingestor = Ingestor(client, limits=routing_settings.job_limits)
         lines = [RequestLine(number, f"c{number}", {"messages": [
             {"role": "user", "content": f"Question {number}"}], "max_tokens": 3})
             for number in range(1, 6)]
@@ -314,7 +310,8 @@ def test_the_server_serves_the_fleets_metrics_behind_its_key(api_url: str) -> No
                 in text_string_to_metric_families(scraped.text)}
     queued = {sample.labels["queue"] for sample in families["jobsvc_queue_messages"].samples}
     assert queue_name(0) in queued
-    assert {"jobsvc_jobs", "jobsvc_shard_outstanding_load", "jobsvc_batches"} <= set(families)
+    assert {"jobsvc_jobs", "jobsvc_shard_outstanding_load", "jobsvc_batches",
+            "jobsvc_model_jobs", "jobsvc_model_workers"} <= set(families)
 
 
 def test_a_batch_file_with_seeded_lines_among_plain_ones_answers_every_line(

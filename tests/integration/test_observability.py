@@ -101,15 +101,21 @@ def test_status_shows_the_worker_alive_with_its_engine_ready(
     assert (found["host"], found["pid"]) == (socket.gethostname(), worker.processes[0].pid)
     assert found["metrics_port"] == settings.metrics_port
     assert 0 <= found["last_seen_s"] <= 15
+    assert shard["models"][0] == settings.served_model_name
+    served = {model["model"]: model for model in json.loads(run.stdout)["models"]}
+    assert served[settings.served_model_name]["workers"] >= 1
+    assert not served[settings.served_model_name]["waiting"]
     text = _status(settings)
     assert "alive shard0@" in text.stdout.splitlines()[1], text.stdout
+    assert text.stdout.splitlines()[1].split()[1] == settings.served_model_name
 
 
 def test_a_shard_asked_about_with_no_worker_fails_the_health_check(settings: Settings) -> None:
     run = _status(settings, "--shard", "41")
     assert run.returncode == 1
     # Not named by the settings, so marked with a star.
-    assert run.stdout.splitlines()[1].split() == ["41*", "0", "0", "0", "0", "none", "seen"]
+    assert run.stdout.splitlines()[1].split() == ["41*", "-", "0", "0", "0", "0", "none",
+                                                  "seen"]
     assert run.stdout.splitlines()[-1].startswith("needs attention: shard 41")
 
 
@@ -159,22 +165,30 @@ def test_the_fleet_metrics_show_queued_work_on_shards_no_worker_serves(
         assert found[("jobsvc_queue_messages", frozenset(
             {**labels, "queue": queue_name(shard)}.items()))] == broker.llen(queue_name(shard))
         assert found[("jobsvc_jobs", frozenset({**labels, "status": "queued"}.items()))] >= count
-        assert found[("jobsvc_worker_healthy", frozenset(labels.items()))] == 0
+        # One series a shard, whichever model it served last.
+        assert [value for (name, found_labels), value in found.items()
+                if name == "jobsvc_worker_healthy" and ("shard", str(shard)) in found_labels
+                ] == [0]
         assert found[("jobsvc_shard_outstanding_load", frozenset(labels.items()))] == loads[
             shard] > 0
+    assert found[("jobsvc_model_jobs", frozenset(
+        {"model": routing_settings.served_model_name, "status": "queued"}.items()))] >= len(ids)
 
 
 def test_a_heartbeat_says_what_the_worker_does_and_that_it_stopped(
         routing_settings: Settings) -> None:
     broker = redis.Redis.from_url(routing_settings.redis_url)
     activity = BatchActivity()
-    keeper = HeartbeatKeeper(routing_settings.redis_url, 23, "shard23@here", activity)
+    keeper = HeartbeatKeeper(routing_settings.redis_url, 23, "shard23@here", activity,
+                             task="generate", models=["jobsvc", "sql"])
     keeper.start(metrics_port=None)
     starting = until("the first heartbeat", lambda: read_heartbeats(broker).get(23))
     assert starting.alive and not starting.healthy
     assert starting.heartbeat.last_message_finished_s is None
+    assert starting.heartbeat.models == ["jobsvc", "sql"]
+    assert starting.heartbeat.task == "generate"
     with activity.running():
-        keeper.engine_started()
+        keeper.engine_started([])
         running = read_heartbeats(broker)[23]
         assert running.healthy and running.heartbeat.messages_in_flight == 1
     keeper.stop()

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from jobsvc.exposition import exposition
-from jobsvc.fleet import Fleet, ShardView
+from jobsvc.fleet import Fleet, ModelView, ShardView
 from jobsvc.health import Heartbeat, SeenWorker
 from jobsvc.metrics import fleet_registry
 from jobsvc.store import ClaimedJob
@@ -33,9 +33,14 @@ def labels(**pairs: str) -> frozenset[tuple[str, str]]:
 
 
 def _fleet(batches: dict[str, int] | None) -> Fleet:
-    worker = SeenWorker(Heartbeat(0, "shard0@h", "h", 1, 5.0, True, 0, None, 9400), 1.0)
-    return Fleet([ShardView(0, True, 3, {"queued": 70, "running": 8}, 1200, worker),
-                  ShardView(4, False, 0, {"queued": 0, "running": 2}, None, None)], batches)
+    worker = SeenWorker(Heartbeat(0, "shard0@h", "h", 1, 5.0, True, 0, None, 9400, "generate",
+                                  ["jobsvc"]), 1.0)
+    return Fleet([ShardView(0, True, 3, {"queued": 70, "running": 8}, 1200, worker,
+                            ["jobsvc", "sql"]),
+                  ShardView(4, False, 0, {"queued": 0, "running": 2}, None, None)], batches,
+                 [ModelView("chat", "generate", 0, {"queued": 0, "running": 2}),
+                  ModelView("jobsvc", "generate", 1, {"queued": 70, "running": 8}),
+                  ModelView("sql", "generate", 1, {"queued": 0, "running": 0})])
 
 
 def test_the_fleet_families_name_every_shard_its_queue_jobs_load_and_worker() -> None:
@@ -51,9 +56,22 @@ def test_the_fleet_families_name_every_shard_its_queue_jobs_load_and_worker() ->
     assert found[("jobsvc_shard_outstanding_load", labels(shard="0"))] == 1200
     # An unreadable load is left out, not reported as zero.
     assert ("jobsvc_shard_outstanding_load", labels(shard="4")) not in found
-    assert found[("jobsvc_worker_healthy", labels(shard="0"))] == 1
-    assert found[("jobsvc_worker_healthy", labels(shard="4"))] == 0
+    # A shard's worker carries the model it serves; none known, the label is empty.
+    assert found[("jobsvc_worker_healthy", labels(shard="0", model="jobsvc"))] == 1
+    assert found[("jobsvc_worker_healthy", labels(shard="4", model=""))] == 0
     assert not any(name == "jobsvc_batches" for name, _ in found)
+
+
+def test_the_fleet_families_count_each_models_unfinished_jobs_and_live_workers() -> None:
+    found = samples(fleet_registry(lambda: _fleet(None)))
+    assert found[("jobsvc_model_jobs", labels(model="jobsvc", status="queued"))] == 70
+    assert found[("jobsvc_model_jobs", labels(model="chat", status="running"))] == 2
+    # A model with no jobs keeps its series, at zero.
+    assert found[("jobsvc_model_jobs", labels(model="sql", status="queued"))] == 0
+    assert found[("jobsvc_model_workers", labels(model="jobsvc"))] == 1
+    assert found[("jobsvc_model_workers", labels(model="sql"))] == 1
+    # Running jobs and no live worker: what an alert on waiting jobs looks for.
+    assert found[("jobsvc_model_workers", labels(model="chat"))] == 0
 
 
 def test_batches_are_counted_by_status_where_the_store_has_them() -> None:
@@ -63,7 +81,7 @@ def test_batches_are_counted_by_status_where_the_store_has_them() -> None:
 
 
 def _job(job_id: str, submitted: float, estimated: int) -> ClaimedJob:
-    return ClaimedJob(job_id, (1, 2), (3,), {}, estimated,
+    return ClaimedJob(job_id, (1, 2), (3,), {}, "jobsvc", estimated,
                       datetime.fromtimestamp(submitted, UTC).replace(tzinfo=None))
 
 

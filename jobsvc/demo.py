@@ -5,9 +5,11 @@ a database URL is given."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -20,7 +22,7 @@ from jobsvc.private_redis import PrivateRedis
 from jobsvc.settings import Settings, masked_url
 from jobsvc.store import JobRecord
 from jobsvc.wire import JobStatus
-from jobsvc.workloads import document_questions
+from jobsvc.workloads import WorkloadJob, document_questions
 
 
 def _say(text: str) -> None:
@@ -53,9 +55,12 @@ def _broker(settings: Settings, stack: ExitStack) -> Settings:
     return replace(settings, redis_url=server.url)
 
 
-def run_demo(settings: Settings, *, documents: int, questions: int, words: int) -> None:
+def run_demo(settings: Settings, *, documents: int, questions: int, words: int,
+             second_model: str | None = None) -> None:
     """Run a generated workload through local workers and print what came back, so a newcomer sees
-    the whole pipeline work with nothing to set up."""
+    the whole pipeline work with nothing to set up. With `second_model` (weights), a second
+    worker serves them under the name `<served name>-b` on a shard of its own, and every other
+    document's questions go to it."""
     # Left in reverse order: the workers' warm shutdown still reaches a private Redis.
     with ExitStack() as stack:
         given_redis_url = settings.redis_url
@@ -66,20 +71,39 @@ def run_demo(settings: Settings, *, documents: int, questions: int, words: int) 
         _say(f"database: {masked_url(settings.resolved_database_url)}")
         _say(f"starting {settings.shards} worker(s) with model {settings.model} "
              f"(logs in {workers.log_dir}/)")
+        fleet = [workers]
+        models = [settings.served_model_name]
+        if second_model is not None:
+            models.append(f"{settings.served_model_name}-b")
+            second = replace(settings, model=second_model, served_model_name=models[1])
+            fleet.append(stack.enter_context(LocalWorkers(
+                second, workers.log_dir, shards=[settings.shards])))
+            _say(f"starting 1 worker with model {second_model} as {models[1]!r} on shard "
+                 f"{settings.shards}")
         client = stack.enter_context(Client(settings=settings))
         status = StatusLine()
-        workers.start(progress=status.update)
+        for group in fleet:
+            group.spawn()
+        for group in fleet:
+            group.wait_ready(progress=status.update)
         status.finish()
         jobs = document_questions(documents, questions, words, seed=int(time.time()))
         started = time.monotonic()
-        ids = client.submit_many(
-            {"document": job.document, "question": job.question, "max_tokens": 16}
-            for job in jobs)
+        ids = client.submit_many(demo_jobs(jobs, models))
         _say(f"submitted {len(ids)} jobs ({documents} documents x {questions} questions)")
         records = client.wait(ids, progress=True)
         elapsed = time.monotonic() - started
         _print_summary(settings, records, elapsed,
                        redis_stays=settings.redis_url == given_redis_url)
+
+
+def demo_jobs(work: Sequence[WorkloadJob], models: Sequence[str]) -> list[dict[str, Any]]:
+    """The demo's jobs: each document's questions for one model, the models taking the
+    documents in turn."""
+    order = {text: index for index, text in enumerate(dict.fromkeys(
+        job.document for job in work))}
+    return [{"document": job.document, "question": job.question, "max_tokens": 16,
+             "model": models[order[job.document] % len(models)]} for job in work]
 
 
 def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float, *,
@@ -88,8 +112,10 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float,
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens or 0 for r in records)
     shards: dict[int, int] = {}
+    models: dict[str, int] = {}
     for record in records:
         shards[record.shard] = shards.get(record.shard, 0) + 1
+        models[record.model] = models.get(record.model, 0) + 1
     example = next((r for r in records if r.answer is not None), records[0])
     lines = [
         "=== jobsvc demo summary ===",
@@ -99,6 +125,7 @@ def _print_summary(settings: Settings, records: list[JobRecord], elapsed: float,
         f"prefix-cache hit rate: {cached / max(prompt, 1):.3f} "
         f"({cached} of {prompt} prompt tokens served from cache)",
         f"jobs per shard: {dict(sorted(shards.items()))}",
+        f"jobs per model: {dict(sorted(models.items()))}",
         f"results are in: {masked_url(settings.resolved_database_url)} "
         "(tables jobs, results, batch_stats)",
         f"look at one: .venv/bin/python -c \"from jobsvc import Client; "

@@ -1,8 +1,10 @@
 """The models a fleet serves, by the names jobs ask for: each worker's model under its served
 name, and each LoRA adapter it loaded under the adapter's name.
 
-A worker registers what it serves when its engine is ready: the model (task, weights, context
-length) in `jobsvc:models`, and the names it serves under its shard in `jobsvc:shard-models`.
+A worker registers what it serves with every heartbeat, from its first (while its engine
+starts, the routers already count it live): the model (task, weights, context length, the
+engine's own once it is ready) in `jobsvc:models`, and the names it serves under its shard in
+`jobsvc:shard-models`.
 Both outlive the worker, so a model whose workers are all gone stays known: its jobs wait on the
 shards that served it until a worker for it comes back (`jobsvc.departures` moves them then),
 and are never given to another model's worker. A name no worker ever registered is refused at

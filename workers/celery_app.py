@@ -78,9 +78,8 @@ class WorkerRuntime:
                                       own_shard=shard)
         self.activity = BatchActivity()
         self.name = worker_name(shard, settings.resolved_worker_host)
-        self._heartbeat = HeartbeatKeeper(
-            settings.redis_url, shard, self.name, self.activity, task=settings.task,
-            models=[settings.served_model_name, *settings.lora_modules])
+        self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, self.name, self.activity,
+                                          served=served_by(settings, settings.max_model_len))
         self._drain = DrainWatch(self._redis, shard, self.activity,
                                  ShardMover(settings, self._redis, self._store, self._control),
                                  stop_consuming=self._stop_consuming,

@@ -56,7 +56,7 @@ class HeartbeatKeeper:
     makes a live worker look dead."""
 
     def __init__(self, redis_url: str, shard: int, worker: str, activity: BatchActivity, *,
-                 task: str, models: list[str]) -> None:
+                 served: list[ServedModel]) -> None:
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=_REDIS_TIMEOUT_SECONDS,
                                            socket_connect_timeout=_REDIS_TIMEOUT_SECONDS)
         self._shard = shard
@@ -64,11 +64,10 @@ class HeartbeatKeeper:
         # Celery names a worker name@host: the host part is the one the fleet knows it by.
         self._host = worker.partition("@")[2] or socket.gethostname()
         self._activity = activity
-        self._task = task
-        self._models = models
-        # What the engine serves, registered at every beat once it is ready, so a Redis that
-        # lost the registry has it back within a beat.
-        self._served: list[ServedModel] = []
+        # What the worker serves (its model, then its adapters), registered at every beat from
+        # the first: producers take jobs for it while its engine starts, as routers already
+        # count it live, and a Redis that lost the registry has it back within a beat.
+        self._served = served
         self._started = time.monotonic()
         self._engine_ready = False
         self._metrics_port: int | None = None
@@ -82,8 +81,8 @@ class HeartbeatKeeper:
         self._thread.start()
 
     def engine_started(self, served: list[ServedModel]) -> None:
-        """The engine answers, serving these models: say so at once rather than at the next
-        beat."""
+        """The engine answers, serving these models (with the context it really runs): say so
+        at once rather than at the next beat."""
         self._served = served
         self._engine_ready = True
         self._beat()
@@ -102,8 +101,8 @@ class HeartbeatKeeper:
                          pid=os.getpid(), up_s=time.monotonic() - self._started,
                          engine_ready=self._engine_ready and not stopped,
                          messages_in_flight=in_flight, last_message_finished_s=since_last,
-                         metrics_port=self._metrics_port, task=self._task,
-                         models=self._models, stopped=stopped)
+                         metrics_port=self._metrics_port, task=self._served[0].task,
+                         models=[model.name for model in self._served], stopped=stopped)
 
     def _run(self) -> None:
         self._beat()
@@ -113,7 +112,7 @@ class HeartbeatKeeper:
     def _beat(self, *, stopped: bool = False) -> None:
         try:
             write_heartbeat(self._redis, self._record(stopped=stopped))
-            if self._served and not stopped:
+            if not stopped:
                 register(self._redis, self._shard, self._served)
         except redis.RedisError as error:
             if not self._failing:

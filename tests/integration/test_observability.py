@@ -23,6 +23,7 @@ from jobsvc.fleet import FleetReader
 from jobsvc.health import KEEP_SECONDS, read_heartbeats
 from jobsvc.keys import LOAD_KEY, heartbeat_key, queue_name
 from jobsvc.metrics import fleet_registry
+from jobsvc.served_models import read_registry, served_by
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.workers.heartbeat import BatchActivity, HeartbeatKeeper
@@ -179,18 +180,25 @@ def test_a_heartbeat_says_what_the_worker_does_and_that_it_stopped(
         routing_settings: Settings) -> None:
     broker = redis.Redis.from_url(routing_settings.redis_url)
     activity = BatchActivity()
+    settings = replace(routing_settings, loras="sql=/adapters/sql")
     keeper = HeartbeatKeeper(routing_settings.redis_url, 23, "shard23@here", activity,
-                             task="generate", models=["jobsvc", "sql"])
+                             served=served_by(settings, 0))
     keeper.start(metrics_port=None)
     starting = until("the first heartbeat", lambda: read_heartbeats(broker).get(23))
     assert starting.alive and not starting.healthy
     assert starting.heartbeat.last_message_finished_s is None
-    assert starting.heartbeat.models == ["jobsvc", "sql"]
+    assert starting.heartbeat.models == [settings.served_model_name, "sql"]
     assert starting.heartbeat.task == "generate"
+    # Registered from its first beat, while its engine starts: producers take its jobs.
+    assert until("its registration", lambda: read_registry(broker)[1].get(23)) == [
+        settings.served_model_name, "sql"]
+    models = read_registry(broker)[0]
+    assert (models["sql"].base, models["sql"].context) == (settings.served_model_name, 0)
     with activity.running():
-        keeper.engine_started([])
+        keeper.engine_started(served_by(settings, 2048))
         running = read_heartbeats(broker)[23]
         assert running.healthy and running.heartbeat.messages_in_flight == 1
+        assert read_registry(broker)[0]["sql"].context == 2048
     keeper.stop()
     stopped = read_heartbeats(broker)[23]
     assert stopped.heartbeat.stopped and not stopped.alive

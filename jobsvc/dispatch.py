@@ -118,8 +118,9 @@ class Dispatcher:
         prefix_keys = [keys[id(job.prefix_tokens)] for job in jobs]
         cost = self._settings.routing_decode_cost
         with translated(f"route {len(jobs)} jobs; nothing was recorded or enqueued"):
+            adapters = self._adapters()
             routed = self._route(self._router, job_ids, [
-                RoutingJob(self._routing_keys(prefix, job.model, is_embedding(job.sampling)),
+                RoutingJob(_routing_keys(prefix, job.model, is_embedding(job.sampling), adapters),
                            job.prompt_tokens, decode_load(answer_tokens(job.sampling), cost))
                 for job, prefix in zip(jobs, prefix_keys, strict=True)],
                 [prefix.document_key for prefix in prefix_keys], [job.model for job in jobs])
@@ -166,11 +167,12 @@ class Dispatcher:
         if not jobs:
             return {}
         cost = self._settings.routing_decode_cost
+        adapters = self._adapters()
         # Jobs on one document share its keys: each document is hashed once.
         keys = {job.document_key: _stored_keys(job, self._settings.block_size)
                 for job in jobs}
         routed = self._route(router, [job.job_id for job in jobs], [
-            RoutingJob(self._routing_keys(keys[job.document_key], job.model, job.by_load),
+            RoutingJob(_routing_keys(keys[job.document_key], job.model, job.by_load, adapters),
                        job.prompt_tokens, decode_load(job.answer_tokens, cost))
             for job in jobs], [job.document_key for job in jobs], [job.model for job in jobs])
         messages = form_messages([placed for placed in routed.placed if placed.shard != shard],
@@ -217,13 +219,9 @@ class Dispatcher:
         return _Routed([PlacedJob(job_id, route.shard, key) for job_id, route, key
                         in zip(job_ids, routes, documents, strict=True)], routes)
 
-    def _routing_keys(self, keys: DocumentKeys, model: str, by_load: bool) -> DocumentKeys:
-        """What routes a job: its prompt's blocks, taken again under its adapter's name if it
-        names a LoRA adapter; nothing but its load for a job routed by load."""
-        if by_load:
-            return unrouted(keys.document_key)
-        served = self._models.models().get(model)
-        return adapted(keys, model) if served is not None and served.base else keys
+    def _adapters(self) -> set[str]:
+        """The names of the fleet's LoRA adapters, read once per submit or move."""
+        return {name for name, model in self._models.models().items() if model.base}
 
     def _give_back(self, charges: dict[int, int]) -> None:
         """Give back what routing charged for jobs that were not kept; if Redis is gone too,
@@ -247,6 +245,15 @@ def _live_models(router: Router, models: Iterable[str]) -> set[str]:
         except NoLiveShard:
             continue
     return live
+
+
+def _routing_keys(keys: DocumentKeys, model: str, by_load: bool,
+                  adapters: set[str]) -> DocumentKeys:
+    """What routes a job: its prompt's blocks, taken again under its adapter's name if it
+    names one of the LoRA `adapters`; nothing but its load for a job routed by load."""
+    if by_load:
+        return unrouted(keys.document_key)
+    return adapted(keys, model) if model in adapters else keys
 
 
 def _stored_keys(job: MovableJob, block_size: int) -> DocumentKeys:

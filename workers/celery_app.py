@@ -79,7 +79,7 @@ class WorkerRuntime:
         self.activity = BatchActivity()
         self.name = worker_name(shard, settings.resolved_worker_host)
         self._heartbeat = HeartbeatKeeper(settings.redis_url, shard, self.name, self.activity,
-                                          served=served_by(settings, settings.max_model_len))
+                                          served=served_by(settings, self.prompts.context_length))
         self._drain = DrainWatch(self._redis, shard, self.activity,
                                  ShardMover(settings, self._redis, self._store, self._control),
                                  stop_consuming=self._stop_consuming,

@@ -70,8 +70,9 @@ class Ingestor:
     @property
     def context_length(self) -> int:
         """The longest context of the fleet's models, in tokens: what a line's prompt and its
-        answer may fill at most."""
-        return max(self._client.models.prompts(model).context_length
+        answer may fill at most. Workers register their context, so no model's configuration
+        is read for it (the settings' own model stands in before any registered)."""
+        return max(model.context or self._client.models.prompts(model).context_length
                    for model in self._client.models.models().values())
 
     def _template(self, model: ServedModel) -> ChatTemplate:

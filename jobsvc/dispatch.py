@@ -1,6 +1,6 @@
 """The one door a job goes through to a shard queue, whoever sends it: a producer's new jobs
 (`Client`), the jobs of a shard that left the fleet (`departures.ShardMover`), jobs whose
-message Redis lost (`reconcile.Reconciler`).
+message Redis lost (`reconcile.Reconciler`, through `resend`).
 
 Every job takes the same steps, each done here once:
   route     the router picks a live shard and charges the load ledger
@@ -45,7 +45,7 @@ from jobsvc.routing.prefix import DocumentKeys, adapted, document_keys, unrouted
 from jobsvc.routing.router import Router, make_router
 from jobsvc.served_models import FleetModels
 from jobsvc.settings import Settings
-from jobsvc.store import MovableJob, NewDocument, NewJob, Store
+from jobsvc.store import MovableJob, NewDocument, NewJob, SentJob, Store
 from jobsvc.transport import publish
 from jobsvc.wire import QueueMessage
 
@@ -191,7 +191,24 @@ class Dispatcher:
                                if any(job_id in moved for job_id in message.job_ids)])
         return {job_id: route_of[job_id].shard for job_id in moved}
 
-    def requeue(self, stranded: Mapping[int, Sequence[str]]) -> int:
+    def resend(self, lost: Sequence[SentJob]) -> int:
+        """Send again unfinished jobs whose message Redis no longer holds, on the shards they
+        are recorded on (their load stays charged there). A job no worker has claimed goes in
+        a message under the very ID its record names, which costs the store nothing: a copy
+        of that message somewhere else finds it claimed, or runs it first. A claimed one is
+        taken from its worker by a new message. Returns how many were sent."""
+        unclaimed: dict[tuple[int, str], list[str]] = {}
+        claimed: dict[int, list[str]] = {}
+        for job in lost:
+            if job.claimed or job.message_id is None:
+                claimed.setdefault(job.shard, []).append(job.job_id)
+            else:
+                unclaimed.setdefault((job.shard, job.message_id), []).append(job.job_id)
+        publish(self._celery, [QueueMessage(shard, job_ids, message_id)
+                               for (shard, message_id), job_ids in unclaimed.items()])
+        return len(lost) - sum(map(len, claimed.values())) + self._requeue(claimed)
+
+    def _requeue(self, stranded: Mapping[int, Sequence[str]]) -> int:
         """Send unfinished jobs again, on the shards they are recorded on, in new messages
         (their load stays charged there). Returns how many were sent."""
         # The jobs' documents are recorded: a message's jobs only need to stand together.

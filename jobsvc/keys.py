@@ -30,6 +30,21 @@ CANCEL_CHANNEL = "jobsvc:cancel"
 
 # Held by the reconciler running a round, so that two never send the same stranded jobs.
 RECONCILE_LOCK_KEY = "jobsvc:reconcile-lock"
+# Where reconciliation has got to (hash: `checked_until`, the send time up to which every
+# message was checked; `cursor`, the job ID its sweep of unfinished jobs resumes after). Its
+# absence means Redis lost what it held, or never held any: the next round checks every job.
+RECONCILED_KEY = "jobsvc:reconciled"
+# Job IDs of messages a worker's task ended on with an error (a set): the next round checks
+# them at once, since their message is gone but they may be unfinished.
+DROPPED_JOBS_KEY = "jobsvc:dropped-jobs"
+_MESSAGES_PREFIX = "jobsvc:messages:"
+
+
+def messages_key(shard: int) -> str:
+    """The IDs of `shard`'s messages Redis holds, queued or leased (a set): added when a
+    message is published, removed when a worker has finished it. Reconciliation asks it
+    whether a job's message still exists instead of reading whole queues."""
+    return f"{_MESSAGES_PREFIX}{shard}"
 
 
 def dead_letter_key(queue: str) -> str:

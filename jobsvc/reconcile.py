@@ -1,16 +1,24 @@
 """Reconciliation: the store is the record of every job, and this keeps Redis true to it.
 
-A round finds unfinished jobs whose one queue message is nowhere in Redis (neither waiting in
+A round finds unfinished jobs whose one queue message Redis no longer holds (neither waiting in
 a shard queue nor held by a worker) and sends them again; this covers a restarted Redis, a
-producer killed between recording and enqueueing, and a message a worker refused or dropped.
+producer killed between recording and enqueueing, and a message whose task ended on an error.
+Whether Redis holds a message is asked of its shard's message set (`transport.held_messages`),
+never by reading the queues, and a round asks it only of jobs that could be stranded:
+  new       jobs sent since the last round, once each, `stranded_grace` seconds after sending
+            (a producer that died between recording and enqueueing)
+  dropped   the jobs of messages whose task ended on an error (`keys.DROPPED_JOBS_KEY`)
+  sweep     the next slice of every unfinished job in turn, by ID: a slow, bounded backstop
+  all       every unfinished job, when Redis has lost what it held (`keys.RECONCILED_KEY` is
+            gone): a restarted Redis that kept nothing, or one never used before
+so a round costs what was sent since the last one, not what waits in the queues.
 It also returns shard load that no unfinished job holds any more (a producer that charged and
 died, a worker that ended jobs and lost Redis before returning their load). Workers run a
 round every `requeue_interval` seconds; a Redis lock keeps two from running one at a time.
-Everything it reads scales with the unfinished jobs and the queued messages, not with the
-finished jobs. Before that, it moves the unfinished jobs of shards whose workers have been
-silent for `shard_timeout` seconds to live shards (`jobsvc.departures`): silent by their
-heartbeats as Redis keeps them, and never longer than Redis has known their absence, so a
-restarted Redis declares nobody dead; a worker's own round never counts its own shard dead.
+Before that, it moves the unfinished jobs of shards whose workers have been silent for
+`shard_timeout` seconds to live shards (`jobsvc.departures`): silent by their heartbeats as
+Redis keeps them, and never longer than Redis has known their absence, so a restarted Redis
+declares nobody dead; a worker's own round never counts its own shard dead.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import redis
 from celery import Celery
+from redis.lock import Lock
 
 from jobsvc.departures import (
     RECONCILE_LOCK_SECONDS,
@@ -34,18 +44,28 @@ from jobsvc.departures import (
 )
 from jobsvc.dispatch import Dispatcher
 from jobsvc.health import read_heartbeats, read_silences
-from jobsvc.keys import UNACKED_KEY, queue_name
+from jobsvc.keys import (
+    DROPPED_JOBS_KEY,
+    RECONCILED_KEY,
+    UNACKED_KEY,
+    messages_key,
+    queue_name,
+    shard_of_queue,
+)
 from jobsvc.routing.ledger import LoadLedger
 from jobsvc.routing.live import NoLiveShard, live_shard_ids, read_draining
 from jobsvc.settings import Settings
-from jobsvc.store import Store, utcnow
+from jobsvc.store import SentJob, Store, utcnow
+from jobsvc.transport import held_messages
 
 log = logging.getLogger(__name__)
 
-# A message moves from a queue to a worker's leases, and back, in two steps: a second look
-# after this pause keeps one caught between them from being taken for lost.
+# A message moves from a queue to a worker's lease in two steps: a second look after this
+# pause keeps one caught between them from being taken for gone.
 _SECOND_LOOK_SECONDS = 0.5
-_MOST_JOBS_PER_ROUND = 10_000
+# Jobs each part of a round checks at most: the newly sent ones, and a slice of the sweep.
+_NEW_JOBS_PER_ROUND = 50_000
+_SWEEP_JOBS = 10_000
 
 
 @dataclass
@@ -57,24 +77,6 @@ class RoundReport:
     load_corrected: dict[int, int] = field(default_factory=dict)
     # Jobs moved off dead shards.
     moved: int = 0
-
-
-def message_ids(raw_messages: Iterable[bytes]) -> set[str]:
-    """The task IDs of kombu envelopes as the Redis transport stores them: a queued message
-    is the envelope, a leased one `[envelope, exchange, routing_key]`. Anything else (raw
-    garbage pushed into a queue) names no message."""
-    ids: set[str] = set()
-    for raw in raw_messages:
-        try:
-            item = json.loads(raw)
-        except ValueError:
-            continue
-        envelope = item[0] if isinstance(item, list) and item else item
-        headers = envelope.get("headers") if isinstance(envelope, dict) else None
-        task_id = headers.get("id") if isinstance(headers, dict) else None
-        if isinstance(task_id, str):
-            ids.add(task_id)
-    return ids
 
 
 class Reconciler:
@@ -96,6 +98,8 @@ class Reconciler:
         # that persists across two rounds is corrected, since submits and finishing jobs
         # change the two sides a moment apart.
         self._last_drift: dict[int, int] = {}
+        # Shards whose message set outnumbered their queue and leases at the last round.
+        self._excess: set[int] = set()
 
     def run_round(self) -> RoundReport:
         """One round, unless another reconciler is in one; returns what it changed."""
@@ -104,7 +108,9 @@ class Reconciler:
             return RoundReport()
         try:
             moved, dead = self._move_off_dead_shards()
-            return RoundReport(self._requeue_stranded(dead), self._correct_load(), moved)
+            loads = self._store.active_load()
+            self._forget_stale_messages(set(range(self._settings.shards)) | set(loads), dead)
+            return RoundReport(self._send_lost(dead, lock), self._correct_load(loads), moved)
         finally:
             try:
                 lock.release()
@@ -136,38 +142,130 @@ class Reconciler:
             self._mover.forget(shard)
             # Its messages now match no job (a job still there moves in a later round), and
             # nothing consumes them: an empty queue is not taken for work waiting.
-            self._redis.delete(queue_name(shard))
+            self._redis.delete(queue_name(shard), messages_key(shard))
         return moved, dead
 
-    def _live_messages(self, shards: Iterable[int]) -> set[str]:
-        with self._redis.pipeline(transaction=True) as pipe:
-            for shard in shards:
-                pipe.lrange(queue_name(shard), 0, -1)
-            pipe.hvals(UNACKED_KEY)
-            replies = pipe.execute()
-        return message_ids(raw for reply in replies for raw in reply)
-
-    def _requeue_stranded(self, dead: set[int]) -> int:
-        """Send again the jobs of live shards whose messages Redis lost (a dead shard's jobs
-        are the mover's)."""
+    def _send_lost(self, dead: set[int], lock: Lock) -> int:
+        """Send again the jobs that could be stranded and whose message Redis no longer holds
+        (a dead shard's jobs are the mover's)."""
         sent_before = utcnow() - timedelta(seconds=self._settings.stranded_grace)
-        shards = (set(range(self._settings.shards)) | set(self._store.active_load())) - dead
-        live = self._live_messages(shards)
-        if not self._store.stranded_jobs(sent_before, live, 1, skipped=dead):
-            return 0
-        time.sleep(_SECOND_LOOK_SECONDS)
-        live |= self._live_messages(shards)
-        stranded = self._store.stranded_jobs(sent_before, live, _MOST_JOBS_PER_ROUND,
-                                             skipped=dead)
-        count = self._dispatcher.requeue(stranded)
-        if not count:
-            return 0
-        log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
-                    count)
+        progress = {key.decode(): value.decode()
+                    for key, value in self._redis.hgetall(RECONCILED_KEY).items()}
+        if "checked" not in progress:
+            count = self._sweep_all(dead, sent_before, lock)
+            self._redis.hset(RECONCILED_KEY, mapping={
+                "checked": _mark_text(sent_before, ""), "cursor": ""})
+            return count
+        dropped = [job_id.decode() for job_id in
+                   self._redis.spop(DROPPED_JOBS_KEY, _SWEEP_JOBS) or []]
+        count = self._resend(self._store.unfinished_among(dropped), dead)
+        new = self._store.sent_after(_mark(progress["checked"]), sent_before,
+                                     _NEW_JOBS_PER_ROUND)
+        count += self._resend(new, dead)
+        sweep = self._store.unfinished_after(progress.get("cursor", ""), sent_before,
+                                             _SWEEP_JOBS)
+        count += self._resend(sweep, dead, whole=True)
+        checked = (_mark_text(new[-1].enqueued_at, new[-1].job_id)
+                   if len(new) == _NEW_JOBS_PER_ROUND and new[-1].enqueued_at is not None
+                   else _mark_text(sent_before, ""))
+        self._redis.hset(RECONCILED_KEY, mapping={
+            "checked": checked,
+            "cursor": sweep[-1].message_id or "" if len(sweep) >= _SWEEP_JOBS else ""})
+        if count:
+            log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
+                        count)
         return count
 
-    def _correct_load(self) -> dict[int, int]:
-        true_loads = self._store.active_load()
+    def _forget_stale_messages(self, shards: set[int], dead: set[int]) -> None:
+        """Take out of a shard's message set the messages Redis no longer holds (a queue
+        deleted by hand, a message finished before its producer added it), which would
+        otherwise hide their jobs from reconciliation. Only a shard whose set has outnumbered
+        its queue and leases at two rounds running has its queue read, twice, a moment apart,
+        so a message on its way from the queue to a worker's lease is not taken for gone."""
+        shards = sorted(shards - dead)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for shard in shards:
+                pipe.scard(messages_key(shard))
+                pipe.llen(queue_name(shard))
+            replies = pipe.execute()
+        leased = Counter(shard for shard, _ in self._leased())
+        excess = {shard for shard, named, queued in zip(shards, replies[0::2], replies[1::2],
+                                                        strict=True)
+                  if named > queued + leased[shard]}
+        suspects, self._excess = excess & self._excess, excess
+        if not suspects:
+            return
+        # Named before either look: a message published later is in neither.
+        named = {shard: {item.decode() for item in self._redis.smembers(messages_key(shard))}
+                 for shard in suspects}
+        first = self._held_now(suspects)
+        time.sleep(_SECOND_LOOK_SECONDS)
+        second = self._held_now(suspects)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for shard in suspects:
+                if stale := named[shard] - first[shard] - second[shard]:
+                    pipe.srem(messages_key(shard), *stale)
+                    log.warning("shard %d: %d messages named but no longer in Redis; their "
+                                "unfinished jobs are sent again", shard, len(stale))
+            pipe.execute()
+
+    def _held_now(self, shards: set[int]) -> dict[int, set[str]]:
+        """The IDs of the messages waiting in these shards' queues or leased to a worker."""
+        held: dict[int, set[str]] = {shard: set() for shard in shards}
+        for shard in shards:
+            held[shard] |= {_envelope_id(raw) for raw in
+                            self._redis.lrange(queue_name(shard), 0, -1)}
+        for shard, message_id in self._leased():
+            if shard in held:
+                held[shard].add(message_id)
+        return held
+
+    def _leased(self) -> list[tuple[int, str]]:
+        """(shard, message ID) of every message a worker holds: what kombu keeps in its
+        unacknowledged hash, bounded by the workers' concurrency."""
+        leased = []
+        for raw in self._redis.hvals(UNACKED_KEY):
+            try:
+                envelope, _, routing_key = json.loads(raw)
+            except ValueError:
+                continue
+            shard = shard_of_queue(routing_key) if isinstance(routing_key, str) else None
+            if shard is not None:
+                leased.append((shard, _envelope_id(envelope)))
+        return leased
+
+    def _sweep_all(self, dead: set[int], sent_before: datetime, lock: Lock) -> int:
+        """Check every unfinished job sent before `sent_before`, slice by slice, keeping the
+        round's lock."""
+        count, cursor = 0, ""
+        while True:
+            jobs = self._store.unfinished_after(cursor, sent_before, _SWEEP_JOBS)
+            count += self._resend(jobs, dead, whole=True)
+            if len(jobs) < _SWEEP_JOBS:
+                break
+            cursor = jobs[-1].message_id or ""
+            lock.extend(RECONCILE_LOCK_SECONDS, replace_ttl=True)
+        if count:
+            log.warning("Redis had lost its messages: sent %d unfinished jobs again", count)
+        return count
+
+    def _resend(self, jobs: Sequence[SentJob], dead: set[int], *, whole: bool = False) -> int:
+        """Send again the jobs of those of `jobs`' messages that Redis does not hold (`whole`:
+        `jobs` holds every unfinished job of each message it names); returns how many."""
+        jobs = [job for job in jobs if job.shard not in dead]
+        held = held_messages(self._redis, [(job.shard, job.message_id) for job in jobs
+                                           if job.message_id is not None])
+        if whole:
+            return self._dispatcher.resend([job for job in jobs if job.message_id not in held])
+        lost = {job.message_id for job in jobs if job.message_id not in held} - {None}
+        # Every unfinished job of a lost message, not only those read: the message goes again
+        # whole, and is then held for the rest of its jobs.
+        return self._dispatcher.resend([
+            *(job for job in jobs if job.message_id is None),
+            *(job for job in self._store.unfinished_of_messages(sorted(lost))
+              if job.shard not in dead)])
+
+    def _correct_load(self, true_loads: dict[int, int]) -> dict[int, int]:
         recorded = self._ledger.loads()
         corrections: dict[int, tuple[int, int]] = {}
         drift: dict[int, int] = {}
@@ -187,3 +285,24 @@ class Reconciler:
         if deltas:
             log.warning("corrected shard loads that no unfinished job accounted for: %s", deltas)
         return deltas
+
+
+def _mark(text: str) -> tuple[datetime, str]:
+    """A send time and job ID as `_mark_text` wrote them."""
+    moment, _, job_id = text.partition(" ")
+    return datetime.fromisoformat(moment), job_id
+
+
+def _mark_text(moment: datetime, job_id: str) -> str:
+    return f"{moment.isoformat()} {job_id}"
+
+
+def _envelope_id(raw: bytes | dict[str, object]) -> str:
+    """The task ID of a kombu envelope (raw or decoded); "" for anything else."""
+    try:
+        envelope = json.loads(raw) if isinstance(raw, bytes) else raw
+    except ValueError:
+        return ""
+    headers = envelope.get("headers") if isinstance(envelope, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) else ""

@@ -10,6 +10,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -25,7 +27,7 @@ from jobsvc.routing.ledger import LoadLedger
 from jobsvc.served_models import served_by
 from jobsvc.settings import Settings
 from jobsvc.store import Store
-from jobsvc.transport import RUN_MESSAGE_TASK, make_celery
+from jobsvc.transport import RUN_MESSAGE_TASK, make_celery, message_finished
 from jobsvc.workers import broker_fixes
 from jobsvc.workers.collector import CollectionWindow
 from jobsvc.workers.drain import DrainWatch
@@ -117,6 +119,31 @@ class WorkerRuntime:
                                   adapters=list(self.settings.lora_modules))
         for thread in self._background:
             thread.start()
+
+    @contextmanager
+    def finishing(self, message_id: str, payload: Any) -> Iterator[None]:
+        """Take a message out of the shard's message set once its task ends (the task is then
+        acknowledged); a task that ends on an error hands its jobs to reconciliation, which
+        sends again those it left unfinished. A worker killed meanwhile leaves the message in
+        the set: its lease runs out and the message comes back."""
+        try:
+            yield
+        except BaseException:
+            jobs = payload.get("jobs") if isinstance(payload, dict) else None
+            dropped = [job for job in jobs if isinstance(job, str)] if isinstance(
+                jobs, list) else []
+            self._forget_message(message_id, dropped)
+            raise
+        self._forget_message(message_id, [])
+
+    def _forget_message(self, message_id: str, dropped: list[str]) -> None:
+        try:
+            message_finished(self._redis, self.shard, message_id, dropped)
+        except redis.RedisError as error:
+            # Left in the set: reconciliation takes the message for held, and its jobs are
+            # found by the sweep of unfinished jobs if it left any.
+            log.warning("shard %d: could not forget finished message %s: %s", self.shard,
+                        message_id, error)
 
     def stop(self) -> None:
         """Stop everything: the heartbeat first (its last record says the worker stopped), the
@@ -223,7 +250,8 @@ def create_worker_app(settings: Settings, shard: int) -> Celery:
         request = task.request
         tag = (request.properties or {}).get("delivery_tag")
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        with runtime.collections.busy(), runtime.activity.running():
+        with runtime.collections.busy(), runtime.activity.running(), \
+                runtime.finishing(request.id, payload):
             if tag is None:
                 return runtime.runner.run(payload, request.id, redelivered)
             runtime.leases.hold(tag)

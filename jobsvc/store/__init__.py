@@ -26,6 +26,7 @@ from jobsvc.store.records import (
     MovableJob,
     NewDocument,
     NewJob,
+    SentJob,
     utcnow,
 )
 from jobsvc.store.submitting import Submitting
@@ -37,4 +38,5 @@ class Store(Submitting, Claiming, Reading, Counting):
 
 
 __all__ = ["Cancelled", "Claim", "ClaimedJob", "JobOutcome", "JobRecord", "MessageStats",
-           "MovableJob", "NewDocument", "NewJob", "Store", "make_engine", "utcnow"]
+           "MovableJob", "NewDocument", "NewJob", "SentJob", "Store", "make_engine",
+           "utcnow"]

@@ -103,6 +103,22 @@ class Dialect:
         the IDs inserted."""
         raise NotImplementedError
 
+    def assign_messages(self, connection: Connection, owners: Mapping[str, str],
+                        now: datetime) -> None:
+        """Hand each of these jobs that is unfinished to the message `owners` names for it,
+        queued, unclaimed and sent at `now`."""
+        raise NotImplementedError
+
+    def records_at_once(self, jobs: int) -> bool:
+        """Whether `insert_submitted` records a submit of this many jobs (none keyed)."""
+        return False
+
+    def insert_submitted(self, connection: Connection, documents: Sequence[dict[str, Any]],
+                         rows: Sequence[dict[str, Any]]) -> None:
+        """Insert a small submit's new documents (skipping those already there) and its
+        jobs in one statement, which needs no transaction around it."""
+        raise NotImplementedError
+
     def mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
         """Queued jobs become running from when they were admitted: ended ones stay as they
         are."""
@@ -142,6 +158,44 @@ answered AS (
     JOIN finished ON finished.id = r.job_id
     ON CONFLICT DO NOTHING)
 SELECT shard, sum(load) FROM finished GROUP BY shard""")
+
+
+# Jobs handed to new messages in one statement: one UPDATE per message cost a resend of a
+# large backlog a statement (and its index maintenance pass) per few hundred jobs.
+_ASSIGN_MESSAGES_POSTGRESQL = text("""
+UPDATE jobs SET message_id = m.message_id, status = 'queued', worker = NULL, enqueued_at = :now
+FROM unnest(CAST(:ids AS varchar[]), CAST(:message_ids AS varchar[])) AS m (id, message_id)
+WHERE jobs.id = m.id AND jobs.status <> ALL(CAST(:finished AS varchar[]))""")
+# A submit of at most this many jobs is recorded by one statement (`insert_submitted`), with
+# no transaction to begin and commit around it; larger ones take COPY, cheaper per row.
+_AT_ONCE_JOBS = 64
+# The job columns `_INSERT_SUBMITTED_POSTGRESQL` takes as arrays, by parameter name.
+_SUBMITTED_ARRAYS = (("ids", "id"), ("document_keys", "document_key"), ("questions", "question"),
+                     ("question_tokens", "question_tokens_zst"), ("models", "model"),
+                     ("shards", "shard"), ("prompt_tokens", "prompt_tokens"),
+                     ("prefills", "estimated_prefill"), ("loads", "load"),
+                     ("message_ids", "message_id"))
+_INSERT_SUBMITTED_POSTGRESQL = text("""
+WITH new_documents AS (
+    INSERT INTO documents (key, text_zst, tokens_zst, tokens, created_at)
+    SELECT d.key, d.text_zst, d.tokens_zst, d.tokens, :now
+    FROM unnest(CAST(:keys AS varchar[]), CAST(:texts AS bytea[]),
+                CAST(:document_tokens AS bytea[]), CAST(:token_counts AS integer[]))
+         AS d (key, text_zst, tokens_zst, tokens)
+    ON CONFLICT DO NOTHING)
+INSERT INTO jobs (id, document_key, question, question_tokens_zst, sampling, model, shard,
+                  status, prompt_tokens, estimated_prefill, load, message_id, submitted_at,
+                  enqueued_at)
+SELECT j.id, j.document_key, j.question, j.question_tokens_zst, j.sampling, j.model, j.shard,
+       'queued', j.prompt_tokens, j.estimated_prefill, j.load, j.message_id, :now, :now
+FROM unnest(CAST(:ids AS varchar[]), CAST(:document_keys AS varchar[]),
+            CAST(:questions AS text[]), CAST(:question_tokens AS bytea[]),
+            CAST(:samplings AS json[]), CAST(:models AS varchar[]),
+            CAST(:shards AS integer[]), CAST(:prompt_tokens AS integer[]),
+            CAST(:prefills AS integer[]), CAST(:loads AS bigint[]),
+            CAST(:message_ids AS varchar[]))
+     AS j (id, document_key, question, question_tokens_zst, sampling, model, shard,
+           prompt_tokens, estimated_prefill, load, message_id)""")
 
 
 _MARK_STARTED_POSTGRESQL = text("""
@@ -202,6 +256,27 @@ class PostgreSQL(Dialect):
             f"INSERT INTO jobs ({columns}) SELECT {columns} FROM keyed_jobs "
             "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id")).scalars())
 
+    def assign_messages(self, connection: Connection, owners: Mapping[str, str],
+                        now: datetime) -> None:
+        connection.execute(_ASSIGN_MESSAGES_POSTGRESQL, {
+            "ids": list(owners), "message_ids": list(owners.values()), "now": now,
+            "finished": FINISHED})
+
+    def records_at_once(self, jobs: int) -> bool:
+        return jobs <= _AT_ONCE_JOBS
+
+    def insert_submitted(self, connection: Connection, documents: Sequence[dict[str, Any]],
+                         rows: Sequence[dict[str, Any]]) -> None:
+        now = rows[0]["submitted_at"]
+        connection.execute(_INSERT_SUBMITTED_POSTGRESQL, {
+            "keys": [row["key"] for row in documents],
+            "texts": [row["text_zst"] for row in documents],
+            "document_tokens": [row["tokens_zst"] for row in documents],
+            "token_counts": [row["tokens"] for row in documents],
+            "now": now,
+            **{name: [row[column] for row in rows] for name, column in _SUBMITTED_ARRAYS},
+            "samplings": [json.dumps(row["sampling"]) for row in rows]})
+
     def mark_started(self, connection: Connection, started: Mapping[str, datetime]) -> None:
         connection.execute(_MARK_STARTED_POSTGRESQL, {
             "ids": list(started), "started_at": list(started.values()),
@@ -243,6 +318,17 @@ class SQLite(Dialect):
 
     def lock_in_order(self, connection: Connection, job_ids: Sequence[str]) -> None:
         pass
+
+    def assign_messages(self, connection: Connection, owners: Mapping[str, str],
+                        now: datetime) -> None:
+        by_message: dict[str, list[str]] = {}
+        for job_id, message_id in owners.items():
+            by_message.setdefault(message_id, []).append(job_id)
+        for message_id, job_ids in by_message.items():
+            connection.execute(
+                update(Job).where(Job.id.in_(job_ids), unfinished(Job.status))
+                .values(message_id=message_id, status=JobStatus.QUEUED.value, worker=None,
+                        enqueued_at=now))
 
     def insert_jobs(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
         if rows:

@@ -168,6 +168,19 @@ class MovableJob:
 
 
 @dataclass(frozen=True)
+class SentJob:
+    """An unfinished job as reconciliation checks it: the one message that may run it (None:
+    none yet), on its shard's queue, sent at `enqueued_at`."""
+
+    job_id: str
+    shard: int
+    message_id: str | None
+    enqueued_at: datetime | None
+    # A worker has claimed it (or runs it): only a new message may take it from that worker.
+    claimed: bool
+
+
+@dataclass(frozen=True)
 class JobOutcome:
     """How one job ended on a worker, as the worker hands it to the store."""
 

@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, or_, select, update
+from sqlalchemy import bindparam, or_, select, tuple_, update
 from sqlalchemy.engine import Connection
 
 from jobsvc import compression
@@ -16,7 +16,7 @@ from jobsvc.embeddings import is_embedding
 from jobsvc.routing.job_cost import Route, answer_tokens
 from jobsvc.store.conditions import sent_before, unclaimed
 from jobsvc.store.database import Database
-from jobsvc.store.records import MovableJob, NewDocument, NewJob, utcnow
+from jobsvc.store.records import MovableJob, NewDocument, NewJob, SentJob, utcnow
 from jobsvc.store.tables import Document, Job
 from jobsvc.wire import ACTIVE_STATUSES, JobStatus, QueueMessage
 
@@ -38,6 +38,14 @@ def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
             "enqueued_at": now, "idempotency_key": job.idempotency_key}
 
 
+_SENT_COLUMNS = (Job.id, Job.shard, Job.message_id, Job.enqueued_at, Job.worker, Job.status)
+
+
+def _sent(row: Any) -> SentJob:
+    return SentJob(row.id, row.shard, row.message_id, row.enqueued_at,
+                   row.worker is not None or row.status != JobStatus.QUEUED.value)
+
+
 class Submitting(Database):
     """The store's part that records jobs and hands them to messages."""
 
@@ -52,6 +60,10 @@ class Submitting(Database):
         rows = [_job_row(job, now) for job in jobs]
         keyed = [row for row in rows if row["idempotency_key"] is not None]
         unkeyed = [row for row in rows if row["idempotency_key"] is None]
+        if not keyed and self._sql.records_at_once(len(rows)):
+            with self._reads.connect() as connection:
+                self._sql.insert_submitted(connection, document_rows, rows)
+            return {}
         with self.engine.begin() as connection:
             if document_rows:
                 connection.execute(self._sql.insert_ignoring_duplicates(Document.__table__),
@@ -84,24 +96,56 @@ class Submitting(Database):
         with self.engine.begin() as connection:
             connection.execute(Job.__table__.delete().where(self._sql.among(Job.id, job_ids)))
 
-    def stranded_jobs(self, enqueued_before: datetime, live_messages: Sequence[str],
-                      limit: int, *, skipped: Collection[int] = ()) -> dict[int, list[str]]:
-        """Unfinished jobs sent before `enqueued_before` whose message is none of the live
-        ones, by shard, except on the `skipped` shards: nothing will ever run them unless
-        they are sent again."""
-        query = (
-            select(Job.shard, Job.id)
-            .where(Job.status.in_(ACTIVE_STATUSES), sent_before(enqueued_before),
-                   Job.shard.not_in(list(skipped)),
-                   or_(Job.message_id.is_(None),
-                       ~self._sql.among(Job.message_id, list(live_messages))))
-            .order_by(Job.submitted_at)
-            .limit(limit))
-        stranded: dict[int, list[str]] = {}
+    def sent_after(self, mark: tuple[datetime, str] | None, enqueued_before: datetime,
+                   limit: int) -> list[SentJob]:
+        """Unfinished jobs in the order their messages were sent (then by ID), after `mark`
+        (a send time and job ID; None: from the first) and before `enqueued_before`, at most
+        `limit`: the ones whose messages reconciliation has yet to check once."""
+        query = select(*_SENT_COLUMNS).where(
+            Job.status.in_(ACTIVE_STATUSES), Job.enqueued_at < enqueued_before)
+        if mark is not None:
+            query = query.where(tuple_(Job.enqueued_at, Job.id) > tuple_(*mark))
         with self._reads.connect() as connection:
-            for shard, job_id in connection.execute(query):
-                stranded.setdefault(shard, []).append(job_id)
-        return stranded
+            rows = connection.execute(query.order_by(Job.enqueued_at, Job.id).limit(limit))
+            return [_sent(row) for row in rows]
+
+    def unfinished_after(self, cursor: str, enqueued_before: datetime,
+                         limit: int) -> list[SentJob]:
+        """Unfinished jobs sent before `enqueued_before` whose message IDs sort after
+        `cursor`, by message, about `limit`: a slice of the sweep that checks every
+        unfinished job's message in turn. Messages come whole: a slice that would end inside
+        one takes the message's other unfinished jobs too."""
+        query = (select(*_SENT_COLUMNS)
+                 .where(Job.status.in_(ACTIVE_STATUSES), Job.message_id > cursor,
+                        sent_before(enqueued_before))
+                 .order_by(Job.message_id).limit(limit))
+        with self._reads.connect() as connection:
+            jobs = [_sent(row) for row in connection.execute(query)]
+            if len(jobs) < limit:
+                return jobs
+            last = jobs[-1].message_id
+            rest = select(*_SENT_COLUMNS).where(Job.status.in_(ACTIVE_STATUSES),
+                                                Job.message_id == last)
+            return [*(job for job in jobs if job.message_id != last),
+                    *(_sent(row) for row in connection.execute(rest))]
+
+    def unfinished_of_messages(self, message_ids: Sequence[str]) -> list[SentJob]:
+        """The unfinished jobs these messages may run."""
+        if not message_ids:
+            return []
+        query = select(*_SENT_COLUMNS).where(self._sql.among(Job.message_id, message_ids),
+                                             Job.status.in_(ACTIVE_STATUSES))
+        with self._reads.connect() as connection:
+            return [_sent(row) for row in connection.execute(query)]
+
+    def unfinished_among(self, job_ids: Sequence[str]) -> list[SentJob]:
+        """Those of these jobs that are unfinished."""
+        if not job_ids:
+            return []
+        query = select(*_SENT_COLUMNS).where(
+            self._sql.among(Job.id, job_ids), Job.status.in_(ACTIVE_STATUSES))
+        with self._reads.connect() as connection:
+            return [_sent(row) for row in connection.execute(query)]
 
     def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
                       enqueued_before: datetime | None, models: Collection[str],
@@ -155,13 +199,8 @@ class Submitting(Database):
         """Hand unfinished jobs to new messages, which alone may run them from now on; a job
         a worker had claimed becomes queued and unclaimed again (its worker's message is
         gone)."""
-        now = utcnow()
+        owners = {job_id: message.message_id for message in messages
+                  for job_id in message.job_ids}
         with self.engine.begin() as connection:
-            self._sql.lock_in_order(connection, [job_id for message in messages
-                                                  for job_id in message.job_ids])
-            for message in messages:
-                connection.execute(
-                    update(Job).where(self._sql.among(Job.id, message.job_ids),
-                                      Job.status.in_(ACTIVE_STATUSES))
-                    .values(message_id=message.message_id, status=JobStatus.QUEUED.value,
-                            worker=None, enqueued_at=now))
+            self._sql.lock_in_order(connection, list(owners))
+            self._sql.assign_messages(connection, owners, utcnow())

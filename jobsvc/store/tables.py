@@ -13,15 +13,20 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     SmallInteger,
     String,
     Text,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from jobsvc.validation import MAX_IDEMPOTENCY_KEY_CHARS, MAX_MODEL_NAME_CHARS
+from jobsvc.wire import ACTIVE_STATUSES
+
+_UNFINISHED = text("status IN ({})".format(", ".join(f"'{status}'" for status in ACTIVE_STATUSES)))
 
 
 class Base(DeclarativeBase):
@@ -77,6 +82,12 @@ class Job(Base):
     submitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    # Reconciliation reads unfinished jobs only, by send time and by message (migration 0015).
+    __table_args__ = tuple(
+        Index(name, *columns, postgresql_where=_UNFINISHED, sqlite_where=_UNFINISHED)
+        for name, columns in (("ix_jobs_unfinished_sent", ("enqueued_at", "id")),
+                              ("ix_jobs_unfinished_message", ("message_id",))))
 
 
 class Result(Base):

@@ -20,13 +20,14 @@ from jobsvc.keys import (
     heartbeat_key,
     queue_name,
 )
-from jobsvc.reconcile import Reconciler, message_ids
+from jobsvc.reconcile import Reconciler
 from jobsvc.routing.live import LIVE_SET_SECONDS, LiveShards, ModelShards
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.store.tables import Job
 from jobsvc.transport import make_celery
 from jobsvc.workloads import document, question
+from tests.support.queues import queued_message_ids
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +112,7 @@ def test_a_dead_shards_jobs_move_once_to_live_shards_and_its_routing_state_is_fo
     assert all(after[job_id].status == "queued" for job_id in ids)
     new_messages = _message_ids(store, stranded)
     assert not new_messages & old_messages
-    assert new_messages <= message_ids(broker.lrange(queue_name(0), 0, -1))
+    assert new_messages <= set(queued_message_ids(broker, 0))
     # Shard 1's old messages matched no job any more, and its queue is gone.
     assert not broker.exists(queue_name(1))
     assert b"1" not in broker.hvals(AFFINITY_KEY)

@@ -353,25 +353,36 @@ def test_each_job_returns_its_recorded_load_once_whichever_way_it_ends(store: St
     assert (given_up.jobs, given_up.released) == ([], {0: 40})
 
 
-def test_stranded_jobs_are_unfinished_ones_sent_before_the_grace_whose_message_is_not_live(
+def test_reconciliation_reads_unfinished_jobs_by_send_time_by_message_and_by_name(
         store: Store) -> None:
     old = utcnow() - timedelta(minutes=5)
-    live, lost, young, finished = (record_queued_job(store, enqueued_at=moment, message_id=name)
-                                   for name, moment in [("live", old), ("lost", old),
-                                                        ("young", utcnow()), ("done", old)])
+    first, second, young, finished = (
+        record_queued_job(store, enqueued_at=moment, message_id=name)
+        for name, moment in [("a", old), ("b", old + timedelta(seconds=1)), ("c", utcnow()),
+                             ("d", old)])
     store.cancel(finished)
     cutoff = utcnow() - timedelta(minutes=1)
-    stranded = store.stranded_jobs(cutoff, ["live"], 10_000).get(0, [])
-    assert lost in stranded
-    assert not {live, young, finished} & set(stranded)
-    store.assign_messages([QueueMessage(0, [lost, finished], "resent")])
-    records = store.get_many([lost, finished])
-    assert (records[lost].status, records[finished].status) == (
+    mine = {first, second, young, finished}
+    sent = [job for job in store.sent_after(None, cutoff, 10_000) if job.job_id in mine]
+    assert [(job.job_id, job.message_id) for job in sent] == [(first, "a"), (second, "b")]
+    after_first = store.sent_after((sent[0].enqueued_at, first), cutoff, 10_000)
+    assert [job.job_id for job in after_first if job.job_id in mine] == [second]
+    swept = [job.job_id for job in store.unfinished_after("", cutoff, 10_000)
+             if job.job_id in mine]
+    assert swept == [first, second]  # by message
+    assert [job.job_id for job in store.unfinished_after("a", cutoff, 10_000)
+            if job.job_id in mine] == [second]
+    assert {job.job_id for job in store.unfinished_among([first, young, finished])} == {
+        first, young}
+    assert [job.job_id for job in store.unfinished_of_messages(["c", "d"])] == [young]
+    store.assign_messages([QueueMessage(0, [first, finished], "resent")])
+    records = store.get_many([first, finished])
+    assert (records[first].status, records[finished].status) == (
         JobStatus.QUEUED, JobStatus.CANCELLED)
-    # Sent again just now: within the grace, and its new message is the one to look for.
-    assert lost not in store.stranded_jobs(cutoff, [], 10_000).get(0, [])
-    assert lost in store.stranded_jobs(utcnow(), ["live"], 10_000).get(0, [])
-    assert lost not in store.stranded_jobs(utcnow(), ["resent"], 10_000).get(0, [])
+    # Sent again just now: after the cutoff, under its new message.
+    assert first not in {job.job_id for job in store.sent_after(None, cutoff, 10_000)}
+    (again,) = store.unfinished_among([first])
+    assert again.message_id == "resent"
 
 
 def test_a_claimed_job_stays_queued_until_admitted_then_runs_from_its_admission(

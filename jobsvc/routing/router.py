@@ -18,9 +18,12 @@ the live set, and the router maps index i to the i-th live shard number.
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import redis
 
@@ -61,6 +64,14 @@ log = logging.getLogger(__name__)
 
 # Longest a producer holds the routing lock (routing a large submit takes milliseconds).
 _LOCK_SECONDS = 10
+# A producer that finds the lock held tries again after this pause, doubling up to the last.
+_FIRST_LOCK_PAUSE = 0.0005
+_LAST_LOCK_PAUSE = 0.05
+# Gives back the routing lock only if this producer's token still holds it.
+_RELEASE_SCRIPT = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
 
 
 class Router(ABC):
@@ -147,25 +158,22 @@ class CacheAwareRouter(Router):
 
     def route(self, jobs: Sequence[RoutingJob], model: str | None = None) -> list[Route]:
         """Route the jobs on the shards' cache estimates under the routing lock, so two producers
-        never decide on the same stale estimate."""
-        lock = self._redis.lock(ROUTING_LOCK_KEY, timeout=_LOCK_SECONDS,
-                                blocking_timeout=_LOCK_SECONDS)
-        if not lock.acquire():
-            raise BrokerUnavailable(
-                f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing was "
-                "enqueued, submit again")
+        never decide on the same stale estimate. The lock is taken in the round trip that reads
+        the estimate and given back in the one that writes it."""
+        live = self.live_shards(model)
+        token = uuid.uuid4().hex.encode()
+        policy, clock = self._load(jobs, live, token)
         try:
-            live = self.live_shards(model)
-            policy, clock = self._load(jobs, live)
             routes = _on_shards(policy.route_jobs(jobs), live)
-            self._save(jobs, routes, clock, dict(zip(live, policy.capacity, strict=True)))
-        finally:
-            try:
-                lock.release()
-            except redis.exceptions.LockError:
-                # Held past its timeout: another producer may have routed on the state this
-                # one was about to write, which costs a cache miss, never a job.
-                log.warning("routing took over %d s; the routing lock had expired", _LOCK_SECONDS)
+            released = self._save(jobs, routes, clock, dict(zip(live, policy.capacity,
+                                                                strict=True)), token)
+        except BaseException:
+            self._redis.eval(_RELEASE_SCRIPT, 1, ROUTING_LOCK_KEY, token)
+            raise
+        if not released:
+            # Held past its timeout: another producer may have routed on the state this one
+            # was about to write, which costs a cache miss, never a job.
+            log.warning("routing took over %d s; the routing lock had expired", _LOCK_SECONDS)
         return routes
 
     def plan(self, jobs: Sequence[RoutingJob]) -> list[int]:
@@ -178,25 +186,51 @@ class CacheAwareRouter(Router):
                                 weight=self.settings.routing_load_weight,
                                 epsilon=self.settings.routing_load_slack)
 
-    def _load(self, jobs: Sequence[RoutingJob], live: Sequence[int]
+    def _load(self, jobs: Sequence[RoutingJob], live: Sequence[int], token: bytes
               ) -> tuple[CacheAwarePolicy, int]:
-        """The policy over the live shards (by index) seeded with what they hold of these
-        jobs' chains, their loads and capacities; and the recency clock reserved for the blocks
-        this submit touches.
-        Two round trips: everything but the chains, then the chains whose first block a
-        shard holds."""
+        """Take the routing lock under `token`, then the policy over the live shards (by index)
+        seeded with what they hold of these jobs' chains, their loads and capacities; and the
+        recency clock reserved for the blocks this submit touches.
+        Two round trips: the lock and everything but the chains (read again until the lock
+        is had: what was read while another producer held it may be stale), then the chains
+        whose first block a shard holds."""
         chains = list({job.keys.blocks: None for job in jobs if job.keys.blocks})
         firsts = [chain[0] for chain in chains]
         touched = sum(len(job.keys.blocks) for job in jobs)
-        with self._redis.pipeline(transaction=False) as pipe:
-            pipe.incrby(CACHE_CLOCK_KEY, touched)
-            pipe.hgetall(CAPACITY_KEY)
-            pipe.hgetall(LOAD_KEY)
-            for shard in live:
-                pipe.zcard(cache_key(shard))
-                if firsts:
-                    pipe.zmscore(cache_key(shard), firsts)
-            clock, capacities, loads, *per_shard = pipe.execute()
+        deadline = time.monotonic() + _LOCK_SECONDS
+        pause = _FIRST_LOCK_PAUSE
+        while True:
+            with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(ROUTING_LOCK_KEY, token, nx=True, px=_LOCK_SECONDS * 1000)
+                # Reserved even on a try that misses the lock: the clock only needs to grow.
+                pipe.incrby(CACHE_CLOCK_KEY, touched)
+                pipe.hgetall(CAPACITY_KEY)
+                pipe.hgetall(LOAD_KEY)
+                for shard in live:
+                    pipe.zcard(cache_key(shard))
+                    if firsts:
+                        pipe.zmscore(cache_key(shard), firsts)
+                locked, clock, capacities, loads, *per_shard = pipe.execute()
+            if locked:
+                break
+            if time.monotonic() > deadline:
+                raise BrokerUnavailable(
+                    f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing "
+                    "was enqueued, submit again")
+            time.sleep(pause)
+            pause = min(pause * 2, _LAST_LOCK_PAUSE)
+        try:
+            return self._seeded(live, chains, firsts, capacities, loads, per_shard), (
+                int(clock) - touched)
+        except BaseException:
+            self._redis.eval(_RELEASE_SCRIPT, 1, ROUTING_LOCK_KEY, token)
+            raise
+
+    def _seeded(self, live: Sequence[int], chains: list[tuple[bytes, ...]],
+                firsts: list[bytes], capacities: Mapping[bytes, bytes],
+                loads: Mapping[bytes, bytes], per_shard: list[Any]) -> CacheAwarePolicy:
+        """The policy seeded from what the lock's round trip read, reading the chains whose
+        first block a shard holds."""
         step = 2 if firsts else 1
         sizes = per_shard[0::step]
         candidates = [(index, chain) for index in range(len(live)) if firsts
@@ -219,13 +253,14 @@ class CacheAwareRouter(Router):
         for index in range(len(live)):
             prefixes = [prefix for _, prefix in sorted(held.get(index, ()))]
             policy.seed(index, prefixes, int(sizes[index]))
-        return policy, int(clock) - touched
+        return policy
 
     def _save(self, jobs: Sequence[RoutingJob], routes: Sequence[Route], clock: int,
-              capacity: Mapping[int, int]) -> None:
+              capacity: Mapping[int, int], token: bytes) -> bool:
         """Write the touched chains with fresh recency (a chain's first block the freshest, as
-        the engine frees a request's blocks tail first), trim each shard to its capacity and
-        charge the loads."""
+        the engine frees a request's blocks tail first), trim each shard to its capacity,
+        charge the loads and give back the routing lock `token` holds; returns whether the
+        lock was still held."""
         recency: dict[int, dict[bytes, int]] = {}
         for job, route in zip(jobs, routes, strict=True):
             scores = recency.setdefault(route.shard, {})
@@ -239,7 +274,8 @@ class CacheAwareRouter(Router):
                     pipe.zremrangebyrank(cache_key(shard), 0, -capacity[shard] - 1)
             self._ledger.charge(loads_per_shard((route.shard, route.load) for route in routes),
                                 pipe=pipe)
-            pipe.execute()
+            pipe.eval(_RELEASE_SCRIPT, 1, ROUTING_LOCK_KEY, token)
+            return bool(pipe.execute()[-1])
 
 
 def reset_routing_state(client: redis.Redis, shards: int) -> None:

@@ -8,7 +8,8 @@ never by reading the queues, and a round asks it only of jobs that could be stra
   new       jobs sent since the last round, once each, `stranded_grace` seconds after sending
             (a producer that died between recording and enqueueing)
   dropped   the jobs of messages whose task ended on an error (`keys.DROPPED_JOBS_KEY`)
-  sweep     the next slice of every unfinished job in turn, by ID: a slow, bounded backstop
+  sweep     the unfinished jobs of the next of SWEEP_BUCKETS ranges of message IDs: a slow,
+            bounded backstop that goes round the whole backlog in turn
   all       every unfinished job, when Redis has lost what it held (`keys.RECONCILED_KEY` is
             gone): a restarted Redis that kept nothing, or one never used before
 so a round costs what was sent since the last one, not what waits in the queues.
@@ -63,9 +64,11 @@ log = logging.getLogger(__name__)
 # A message moves from a queue to a worker's lease in two steps: a second look after this
 # pause keeps one caught between them from being taken for gone.
 _SECOND_LOOK_SECONDS = 0.5
-# Jobs each part of a round checks at most: the newly sent ones, and a slice of the sweep.
+# Newly sent jobs a round checks at most, and jobs of dropped messages.
 _NEW_JOBS_PER_ROUND = 50_000
-_SWEEP_JOBS = 10_000
+_DROPPED_JOBS_PER_ROUND = 10_000
+# The sweep's ranges of message IDs: a round checks one, about 1/256 of the backlog.
+SWEEP_BUCKETS = 256
 
 
 @dataclass
@@ -107,10 +110,15 @@ class Reconciler:
         if not lock.acquire():
             return RoundReport()
         try:
-            moved, dead = self._move_off_dead_shards()
+            # Read once a round (it sums every unfinished job), again only after moves.
             loads = self._store.active_load()
-            self._forget_stale_messages(set(range(self._settings.shards)) | set(loads), dead)
-            return RoundReport(self._send_lost(dead, lock), self._correct_load(loads), moved)
+            moved, dead = self._move_off_dead_shards(loads)
+            if moved:
+                loads = self._store.active_load()
+            stale = self._forget_stale_messages(set(range(self._settings.shards)) | set(loads),
+                                                dead)
+            return RoundReport(self._send_lost(dead, lock, stale), self._correct_load(loads),
+                               moved)
         finally:
             try:
                 lock.release()
@@ -120,7 +128,7 @@ class Reconciler:
                 log.warning("a reconciliation round outlasted its %d s lock",
                             RECONCILE_LOCK_SECONDS)
 
-    def _move_off_dead_shards(self) -> tuple[int, set[int]]:
+    def _move_off_dead_shards(self, loads: dict[int, int]) -> tuple[int, set[int]]:
         """Move the jobs of dead shards to live shards serving their models; returns how many
         moved, and the dead shards (jobs whose model no live worker serves wait there)."""
         workers = read_heartbeats(self._redis)
@@ -130,7 +138,7 @@ class Reconciler:
         except NoLiveShard:
             return 0, set()
         timeout = self._settings.shard_timeout
-        silences = read_silences(self._redis, workers, self._store.active_load())
+        silences = read_silences(self._redis, workers, loads)
         moved = 0
         dead = dead_shards(silences, live, timeout, own=self._own_shard)
         for shard in sorted(dead):
@@ -145,38 +153,38 @@ class Reconciler:
             self._redis.delete(queue_name(shard), messages_key(shard))
         return moved, dead
 
-    def _send_lost(self, dead: set[int], lock: Lock) -> int:
+    def _send_lost(self, dead: set[int], lock: Lock, stale: set[str]) -> int:
         """Send again the jobs that could be stranded and whose message Redis no longer holds
-        (a dead shard's jobs are the mover's)."""
+        (a dead shard's jobs are the mover's); `stale`: messages just found gone."""
         sent_before = utcnow() - timedelta(seconds=self._settings.stranded_grace)
         progress = {key.decode(): value.decode()
                     for key, value in self._redis.hgetall(RECONCILED_KEY).items()}
         if "checked" not in progress:
             count = self._sweep_all(dead, sent_before, lock)
             self._redis.hset(RECONCILED_KEY, mapping={
-                "checked": _mark_text(sent_before, ""), "cursor": ""})
+                "checked": _mark_text(sent_before, ""), "bucket": 0})
             return count
         dropped = [job_id.decode() for job_id in
-                   self._redis.spop(DROPPED_JOBS_KEY, _SWEEP_JOBS) or []]
+                   self._redis.spop(DROPPED_JOBS_KEY, _DROPPED_JOBS_PER_ROUND) or []]
         count = self._resend(self._store.unfinished_among(dropped), dead)
+        count += self._resend(self._store.unfinished_of_messages(sorted(stale)), dead)
         new = self._store.sent_after(_mark(progress["checked"]), sent_before,
                                      _NEW_JOBS_PER_ROUND)
         count += self._resend(new, dead)
-        sweep = self._store.unfinished_after(progress.get("cursor", ""), sent_before,
-                                             _SWEEP_JOBS)
-        count += self._resend(sweep, dead, whole=True)
+        bucket = int(progress.get("bucket", 0)) % SWEEP_BUCKETS
+        count += self._resend(self._swept(bucket, sent_before), dead, whole=True)
         checked = (_mark_text(new[-1].enqueued_at, new[-1].job_id)
                    if len(new) == _NEW_JOBS_PER_ROUND and new[-1].enqueued_at is not None
                    else _mark_text(sent_before, ""))
         self._redis.hset(RECONCILED_KEY, mapping={
             "checked": checked,
-            "cursor": sweep[-1].message_id or "" if len(sweep) >= _SWEEP_JOBS else ""})
+            "bucket": (bucket + 1) % SWEEP_BUCKETS})
         if count:
             log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
                         count)
         return count
 
-    def _forget_stale_messages(self, shards: set[int], dead: set[int]) -> None:
+    def _forget_stale_messages(self, shards: set[int], dead: set[int]) -> set[str]:
         """Take out of a shard's message set the messages Redis no longer holds (a queue
         deleted by hand, a message finished before its producer added it), which would
         otherwise hide their jobs from reconciliation. Only a shard whose set has outnumbered
@@ -194,20 +202,23 @@ class Reconciler:
                   if named > queued + leased[shard]}
         suspects, self._excess = excess & self._excess, excess
         if not suspects:
-            return
+            return set()
         # Named before either look: a message published later is in neither.
         named = {shard: {item.decode() for item in self._redis.smembers(messages_key(shard))}
                  for shard in suspects}
         first = self._held_now(suspects)
         time.sleep(_SECOND_LOOK_SECONDS)
         second = self._held_now(suspects)
+        gone: set[str] = set()
         with self._redis.pipeline(transaction=False) as pipe:
             for shard in suspects:
                 if stale := named[shard] - first[shard] - second[shard]:
                     pipe.srem(messages_key(shard), *stale)
+                    gone |= stale
                     log.warning("shard %d: %d messages named but no longer in Redis; their "
                                 "unfinished jobs are sent again", shard, len(stale))
             pipe.execute()
+        return gone
 
     def _held_now(self, shards: set[int]) -> dict[int, set[str]]:
         """The IDs of the messages waiting in these shards' queues or leased to a worker."""
@@ -235,19 +246,23 @@ class Reconciler:
         return leased
 
     def _sweep_all(self, dead: set[int], sent_before: datetime, lock: Lock) -> int:
-        """Check every unfinished job sent before `sent_before`, slice by slice, keeping the
-        round's lock."""
-        count, cursor = 0, ""
-        while True:
-            jobs = self._store.unfinished_after(cursor, sent_before, _SWEEP_JOBS)
-            count += self._resend(jobs, dead, whole=True)
-            if len(jobs) < _SWEEP_JOBS:
-                break
-            cursor = jobs[-1].message_id or ""
+        """Check every unfinished job sent before `sent_before`, bucket by bucket, keeping
+        the round's lock."""
+        count = 0
+        for bucket in range(SWEEP_BUCKETS):
+            count += self._resend(self._swept(bucket, sent_before), dead, whole=True)
             lock.extend(RECONCILE_LOCK_SECONDS, replace_ttl=True)
         if count:
             log.warning("Redis had lost its messages: sent %d unfinished jobs again", count)
         return count
+
+    def _swept(self, bucket: int, sent_before: datetime) -> list[SentJob]:
+        """A bucket's unfinished jobs, but those of messages sent too lately to be looked
+        for yet (a producer may be about to publish them)."""
+        jobs = self._store.unfinished_in_bucket(bucket, SWEEP_BUCKETS)
+        young = {job.message_id for job in jobs
+                 if job.enqueued_at is not None and job.enqueued_at >= sent_before}
+        return [job for job in jobs if job.message_id not in young]
 
     def _resend(self, jobs: Sequence[SentJob], dead: set[int], *, whole: bool = False) -> int:
         """Send again the jobs of those of `jobs`' messages that Redis does not hold (`whole`:

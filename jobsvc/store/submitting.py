@@ -5,7 +5,7 @@ stranded jobs again, a departing shard's jobs moved elsewhere)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import bindparam, or_, select, tuple_, update
@@ -42,8 +42,26 @@ _SENT_COLUMNS = (Job.id, Job.shard, Job.message_id, Job.enqueued_at, Job.worker,
 
 
 def _sent(row: Any) -> SentJob:
-    return SentJob(row.id, row.shard, row.message_id, row.enqueued_at,
+    # SQLite gives back the UTC times it was given without their zone.
+    sent = row.enqueued_at
+    return SentJob(row.id, row.shard, row.message_id,
+                   sent.replace(tzinfo=UTC) if sent is not None and sent.tzinfo is None
+                   else sent,
                    row.worker is not None or row.status != JobStatus.QUEUED.value)
+
+
+def _bucket_bounds(bucket: int, buckets: int) -> tuple[str, str | None]:
+    """Bucket `bucket` of `buckets` even ranges of 32-digit hexadecimal IDs (a power of two
+    up to 65,536): the first reaches down to the empty string, the last up without end, so
+    together they hold every ID."""
+    digits = max(1, (buckets.bit_length() - 1 + 3) // 4)
+    width = 16 ** digits // buckets
+
+    def at(index: int) -> str:
+        return f"{index * width:0{digits}x}"
+
+    return ("" if bucket == 0 else at(bucket),
+            None if bucket == buckets - 1 else at(bucket + 1))
 
 
 class Submitting(Database):
@@ -109,25 +127,18 @@ class Submitting(Database):
             rows = connection.execute(query.order_by(Job.enqueued_at, Job.id).limit(limit))
             return [_sent(row) for row in rows]
 
-    def unfinished_after(self, cursor: str, enqueued_before: datetime,
-                         limit: int) -> list[SentJob]:
-        """Unfinished jobs sent before `enqueued_before` whose message IDs sort after
-        `cursor`, by message, about `limit`: a slice of the sweep that checks every
-        unfinished job's message in turn. Messages come whole: a slice that would end inside
-        one takes the message's other unfinished jobs too."""
-        query = (select(*_SENT_COLUMNS)
-                 .where(Job.status.in_(ACTIVE_STATUSES), Job.message_id > cursor,
-                        sent_before(enqueued_before))
-                 .order_by(Job.message_id).limit(limit))
+    def unfinished_in_bucket(self, bucket: int, buckets: int) -> list[SentJob]:
+        """The unfinished jobs whose message IDs fall in one of `buckets` ranges of the
+        (hexadecimal) IDs, every job of each such message: a slice of the sweep that checks
+        every unfinished job's message in turn. A range, not a page in ID order, so the read is
+        the same index range scan whatever the planner knows of the table."""
+        low, high = _bucket_bounds(bucket, buckets)
+        query = select(*_SENT_COLUMNS).where(Job.status.in_(ACTIVE_STATUSES),
+                                             Job.message_id >= low)
+        if high is not None:
+            query = query.where(Job.message_id < high)
         with self._reads.connect() as connection:
-            jobs = [_sent(row) for row in connection.execute(query)]
-            if len(jobs) < limit:
-                return jobs
-            last = jobs[-1].message_id
-            rest = select(*_SENT_COLUMNS).where(Job.status.in_(ACTIVE_STATUSES),
-                                                Job.message_id == last)
-            return [*(job for job in jobs if job.message_id != last),
-                    *(_sent(row) for row in connection.execute(rest))]
+            return [_sent(row) for row in connection.execute(query)]
 
     def unfinished_of_messages(self, message_ids: Sequence[str]) -> list[SentJob]:
         """The unfinished jobs these messages may run."""

@@ -62,7 +62,8 @@ def publish(app: Celery, messages: Sequence[QueueMessage]) -> None:
     costs one round trip to Redis instead of a publish per message."""
     if not messages:
         return
-    with app.connection_for_write() as connection, \
+    # A pooled connection: a fresh one connects and pings before its first command.
+    with app.pool.acquire(block=True) as connection, \
             connection.default_channel.client.pipeline(transaction=True) as pipe:
         for message in messages:
             pipe.lpush(queue_name(message.shard), json.dumps(_envelope(app, message)))

@@ -30,9 +30,10 @@ CANCEL_CHANNEL = "jobsvc:cancel"
 
 # Held by the reconciler running a round, so that two never send the same stranded jobs.
 RECONCILE_LOCK_KEY = "jobsvc:reconcile-lock"
-# Where reconciliation has got to (hash: `checked_until`, the send time up to which every
-# message was checked; `cursor`, the job ID its sweep of unfinished jobs resumes after). Its
-# absence means Redis lost what it held, or never held any: the next round checks every job.
+# Where reconciliation has got to (hash: `server`, the Redis run it belongs to; `checked`,
+# the send time and job ID up to which every new message was checked; `bucket`, the range of
+# message IDs its sweep checks next). Gone, or naming another run of the server, it means
+# Redis restarted or never held any: the next round checks every job.
 RECONCILED_KEY = "jobsvc:reconciled"
 # Job IDs of messages a worker's task ended on with an error (a set): the next round checks
 # them at once, since their message is gone but they may be unfinished.

@@ -10,8 +10,8 @@ never by reading the queues, and a round asks it only of jobs that could be stra
   dropped   the jobs of messages whose task ended on an error (`keys.DROPPED_JOBS_KEY`)
   sweep     the unfinished jobs of the next of SWEEP_BUCKETS ranges of message IDs: a slow,
             bounded backstop that goes round the whole backlog in turn
-  all       every unfinished job, when Redis has lost what it held (`keys.RECONCILED_KEY` is
-            gone): a restarted Redis that kept nothing, or one never used before
+  all       every unfinished job, when `keys.RECONCILED_KEY` is gone or names another run of
+            the Redis server: a restarted Redis (whatever it kept), or one never used before
 so a round costs what was sent since the last one, not what waits in the queues.
 It also returns shard load that no unfinished job holds any more (a producer that charged and
 died, a worker that ended jobs and lost Redis before returning their load). Workers run a
@@ -157,12 +157,15 @@ class Reconciler:
         """Send again the jobs that could be stranded and whose message Redis no longer holds
         (a dead shard's jobs are the mover's); `stale`: messages just found gone."""
         sent_before = utcnow() - timedelta(seconds=self._settings.stranded_grace)
+        # Progress belongs to one run of the Redis server: one that restarted since (even
+        # during this round) holds only what it kept, so every job is checked again.
+        server = str(self._redis.info("server")["run_id"])
         progress = {key.decode(): value.decode()
                     for key, value in self._redis.hgetall(RECONCILED_KEY).items()}
-        if "checked" not in progress:
+        if progress.get("server") != server:
             count = self._sweep_all(dead, sent_before, lock)
             self._redis.hset(RECONCILED_KEY, mapping={
-                "checked": _mark_text(sent_before, ""), "bucket": 0})
+                "server": server, "checked": _mark_text(sent_before, ""), "bucket": 0})
             return count
         dropped = [job_id.decode() for job_id in
                    self._redis.spop(DROPPED_JOBS_KEY, _DROPPED_JOBS_PER_ROUND) or []]
@@ -177,8 +180,7 @@ class Reconciler:
                    if len(new) == _NEW_JOBS_PER_ROUND and new[-1].enqueued_at is not None
                    else _mark_text(sent_before, ""))
         self._redis.hset(RECONCILED_KEY, mapping={
-            "checked": checked,
-            "bucket": (bucket + 1) % SWEEP_BUCKETS})
+            "server": server, "checked": checked, "bucket": (bucket + 1) % SWEEP_BUCKETS})
         if count:
             log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
                         count)
@@ -238,7 +240,7 @@ class Reconciler:
         for raw in self._redis.hvals(UNACKED_KEY):
             try:
                 envelope, _, routing_key = json.loads(raw)
-            except ValueError:
+            except (ValueError, TypeError):
                 continue
             shard = shard_of_queue(routing_key) if isinstance(routing_key, str) else None
             if shard is not None:

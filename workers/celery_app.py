@@ -140,8 +140,9 @@ class WorkerRuntime:
         try:
             message_finished(self._redis, self.shard, message_id, dropped)
         except redis.RedisError as error:
-            # Left in the set: reconciliation takes the message for held, and its jobs are
-            # found by the sweep of unfinished jobs if it left any.
+            # Left in the set, which then outnumbers the queue: reconciliation's check of
+            # the sets against their queues takes it out, and sends its jobs again if it
+            # left any unfinished.
             log.warning("shard %d: could not forget finished message %s: %s", self.shard,
                         message_id, error)
 

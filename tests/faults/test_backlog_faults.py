@@ -24,7 +24,8 @@ from jobsvc.private_redis import PrivateRedis
 from jobsvc.reconcile import Reconciler
 from jobsvc.settings import Settings
 from jobsvc.store import Store, utcnow
-from jobsvc.transport import make_celery
+from jobsvc.transport import make_celery, publish
+from jobsvc.wire import QueueMessage
 from tests.support.environment import TEST_DATABASE, recreate_database
 from tests.support.queues import queued_jobs
 
@@ -53,9 +54,11 @@ def test_a_redis_restart_with_a_million_queued_jobs_sends_each_again_once(
         backlog: tuple[Settings, PrivateRedis, Store]) -> None:
     settings, broker, store = backlog
     _record_backlog(settings, BACKLOG)
+    recorded = _recorded_messages(settings)
+    assert len(recorded) == BACKLOG
+    # Queued as their producers sent them, then Redis restarts and keeps nothing.
+    publish(make_celery(settings), _messages(recorded))
     client = redis.Redis.from_url(settings.redis_url)
-    reconciler = Reconciler(settings, client, store, make_celery(settings))
-    assert reconciler.run_round().requeued == BACKLOG  # a Redis that never held them
     assert sum(client.llen(queue_name(shard)) for shard in range(SHARDS)) > BACKLOG // 256
     broker.stop()
     broker.start()
@@ -63,8 +66,7 @@ def test_a_redis_restart_with_a_million_queued_jobs_sends_each_again_once(
     reconciler = Reconciler(settings, client, store, make_celery(settings))
     assert reconciler.run_round().requeued == BACKLOG
     # Each under the message its record names: the store wrote nothing for them.
-    assert _queued_jobs(settings) == _recorded_messages(settings)
-    assert len(_recorded_messages(settings)) == BACKLOG
+    assert _queued_jobs(settings) == recorded == _recorded_messages(settings)
     assert reconciler.run_round().requeued == 0
 
 
@@ -144,6 +146,16 @@ def _record_backlog(settings: Settings, count: int) -> None:
             (settings.served_model_name, SHARDS, SHARDS, sent, sent, count))
         # As autovacuum would soon after such an insert: plans from fresh statistics.
         connection.execute("ANALYZE jobs")
+
+
+def _messages(recorded: dict[str, str]) -> list[QueueMessage]:
+    """The messages that carry these jobs (job ID to message ID), each on its jobs' shard."""
+    with_shard: dict[str, list[str]] = {}
+    for job_id, message_id in recorded.items():
+        with_shard.setdefault(message_id, []).append(job_id)
+    # The backlog's message IDs end with their shard in hexadecimal.
+    return [QueueMessage(int(message_id[-8:], 16), job_ids, message_id)
+            for message_id, job_ids in with_shard.items()]
 
 
 def _recorded_messages(settings: Settings) -> dict[str, str]:

@@ -191,40 +191,60 @@ class CacheAwareRouter(Router):
         """Take the routing lock under `token`, then the policy over the live shards (by index)
         seeded with what they hold of these jobs' chains, their loads and capacities; and the
         recency clock reserved for the blocks this submit touches.
-        Two round trips: the lock and everything but the chains (read again until the lock
-        is had: what was read while another producer held it may be stale), then the chains
-        whose first block a shard holds."""
+        Two round trips: the lock and everything but the chains, then the chains whose first
+        block a shard holds. A producer that finds the lock held waits for it with the lock's
+        command alone, then reads (what it read beside the refused lock may be stale)."""
         chains = list({job.keys.blocks: None for job in jobs if job.keys.blocks})
         firsts = [chain[0] for chain in chains]
         touched = sum(len(job.keys.blocks) for job in jobs)
-        deadline = time.monotonic() + _LOCK_SECONDS
-        pause = _FIRST_LOCK_PAUSE
-        while True:
-            with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(ROUTING_LOCK_KEY, token, nx=True, px=_LOCK_SECONDS * 1000)
-                # Reserved even on a try that misses the lock: the clock only needs to grow.
-                pipe.incrby(CACHE_CLOCK_KEY, touched)
-                pipe.hgetall(CAPACITY_KEY)
-                pipe.hgetall(LOAD_KEY)
-                for shard in live:
-                    pipe.zcard(cache_key(shard))
-                    if firsts:
-                        pipe.zmscore(cache_key(shard), firsts)
-                locked, clock, capacities, loads, *per_shard = pipe.execute()
-            if locked:
-                break
-            if time.monotonic() > deadline:
-                raise BrokerUnavailable(
-                    f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing "
-                    "was enqueued, submit again")
-            time.sleep(pause)
-            pause = min(pause * 2, _LAST_LOCK_PAUSE)
+        state = self._read_state(live, firsts, touched, lock=token)
+        if state is None:
+            self._wait_for_lock(token)
+            state = self._read_state(live, firsts, touched, lock=None)
+        assert state is not None
+        clock, capacities, loads, per_shard = state
         try:
             return self._seeded(live, chains, firsts, capacities, loads, per_shard), (
                 int(clock) - touched)
         except BaseException:
             self._redis.eval(_RELEASE_SCRIPT, 1, ROUTING_LOCK_KEY, token)
             raise
+
+    def _read_state(self, live: Sequence[int], firsts: list[bytes], touched: int, *,
+                    lock: bytes | None) -> tuple[Any, Any, Any, list[Any]] | None:
+        """The recency clock reserved for `touched` blocks, capacities, loads and each live
+        shard's size and first blocks held, in one round trip; taking the routing lock under
+        `lock` first if given, and None (nothing reserved) if another producer holds it."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            if lock is not None:
+                pipe.set(ROUTING_LOCK_KEY, lock, nx=True, px=_LOCK_SECONDS * 1000)
+            pipe.incrby(CACHE_CLOCK_KEY, touched)
+            pipe.hgetall(CAPACITY_KEY)
+            pipe.hgetall(LOAD_KEY)
+            for shard in live:
+                pipe.zcard(cache_key(shard))
+                if firsts:
+                    pipe.zmscore(cache_key(shard), firsts)
+            replies = pipe.execute()
+        if lock is not None:
+            locked, *replies = replies
+            if not locked:
+                return None
+        clock, capacities, loads, *per_shard = replies
+        return clock, capacities, loads, per_shard
+
+    def _wait_for_lock(self, token: bytes) -> None:
+        """Take the routing lock under `token` once the producer holding it lets go, or raise
+        BrokerUnavailable after `_LOCK_SECONDS`."""
+        deadline = time.monotonic() + _LOCK_SECONDS
+        pause = _FIRST_LOCK_PAUSE
+        while not self._redis.set(ROUTING_LOCK_KEY, token, nx=True, px=_LOCK_SECONDS * 1000):
+            if time.monotonic() > deadline:
+                raise BrokerUnavailable(
+                    f"another producer held the routing lock for {_LOCK_SECONDS} s; nothing "
+                    "was enqueued, submit again")
+            time.sleep(pause)
+            pause = min(pause * 2, _LAST_LOCK_PAUSE)
 
     def _seeded(self, live: Sequence[int], chains: list[tuple[bytes, ...]],
                 firsts: list[bytes], capacities: Mapping[bytes, bytes],

@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, or_, select, tuple_, update
+from sqlalchemy import Select, bindparam, or_, select, tuple_, update
 from sqlalchemy.engine import Connection
 
 from jobsvc import compression
@@ -119,13 +119,10 @@ class Submitting(Database):
         """Unfinished jobs in the order their messages were sent (then by ID), after `mark`
         (a send time and job ID; None: from the first) and before `enqueued_before`, at most
         `limit`: the ones whose messages reconciliation has yet to check once."""
-        query = select(*_SENT_COLUMNS).where(
-            Job.status.in_(ACTIVE_STATUSES), Job.enqueued_at < enqueued_before)
-        if mark is not None:
-            query = query.where(tuple_(Job.enqueued_at, Job.id) > tuple_(*mark))
-        with self._reads.connect() as connection:
-            rows = connection.execute(query.order_by(Job.enqueued_at, Job.id).limit(limit))
-            return [_sent(row) for row in rows]
+        after = [] if mark is None else [tuple_(Job.enqueued_at, Job.id) > tuple_(*mark)]
+        return self._unfinished(
+            select(*_SENT_COLUMNS).where(Job.enqueued_at < enqueued_before, *after)
+            .order_by(Job.enqueued_at, Job.id).limit(limit))
 
     def unfinished_in_bucket(self, bucket: int, buckets: int) -> list[SentJob]:
         """The unfinished jobs whose message IDs fall in one of `buckets` ranges of the
@@ -133,30 +130,28 @@ class Submitting(Database):
         every unfinished job's message in turn. A range, not a page in ID order, so the read is
         the same index range scan whatever the planner knows of the table."""
         low, high = _bucket_bounds(bucket, buckets)
-        query = select(*_SENT_COLUMNS).where(Job.status.in_(ACTIVE_STATUSES),
-                                             Job.message_id >= low)
-        if high is not None:
-            query = query.where(Job.message_id < high)
-        with self._reads.connect() as connection:
-            return [_sent(row) for row in connection.execute(query)]
+        below = [] if high is None else [Job.message_id < high]
+        return self._unfinished(select(*_SENT_COLUMNS).where(Job.message_id >= low, *below))
 
     def unfinished_of_messages(self, message_ids: Sequence[str]) -> list[SentJob]:
         """The unfinished jobs these messages may run."""
         if not message_ids:
             return []
-        query = select(*_SENT_COLUMNS).where(self._sql.among(Job.message_id, message_ids),
-                                             Job.status.in_(ACTIVE_STATUSES))
-        with self._reads.connect() as connection:
-            return [_sent(row) for row in connection.execute(query)]
+        return self._unfinished(select(*_SENT_COLUMNS).where(
+            self._sql.among(Job.message_id, message_ids)))
 
     def unfinished_among(self, job_ids: Sequence[str]) -> list[SentJob]:
         """Those of these jobs that are unfinished."""
         if not job_ids:
             return []
-        query = select(*_SENT_COLUMNS).where(
-            self._sql.among(Job.id, job_ids), Job.status.in_(ACTIVE_STATUSES))
+        return self._unfinished(select(*_SENT_COLUMNS).where(self._sql.among(Job.id, job_ids)))
+
+    def _unfinished(self, query: Select[Any]) -> list[SentJob]:
+        """What `query` reads of the jobs, restricted to the unfinished ones (the condition
+        the partial indexes of migration 0015 are made for)."""
         with self._reads.connect() as connection:
-            return [_sent(row) for row in connection.execute(query)]
+            return [_sent(row) for row in connection.execute(
+                query.where(Job.status.in_(ACTIVE_STATUSES)))]
 
     def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
                       enqueued_before: datetime | None, models: Collection[str],

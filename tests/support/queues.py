@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import redis
 from kombu import compression as kombu_compression
@@ -15,18 +16,9 @@ from jobsvc.keys import queue_name
 
 
 def queued_message_ids(broker: redis.Redis, shard: int) -> list[str]:
-    """The task IDs of the envelopes waiting in `shard`'s queue, oldest first (each once per
-    copy), skipping anything that is no envelope."""
-    ids: list[str] = []
-    for raw in reversed(broker.lrange(queue_name(shard), 0, -1)):
-        try:
-            envelope = json.loads(raw)
-        except ValueError:
-            continue
-        headers = envelope.get("headers") if isinstance(envelope, dict) else None
-        if isinstance(headers, dict) and isinstance(headers.get("id"), str):
-            ids.append(headers["id"])
-    return ids
+    """The task IDs of the messages waiting in `shard`'s queue, oldest first (each once per
+    copy)."""
+    return [envelope["headers"]["id"] for envelope in _envelopes(broker, shard)]
 
 
 def queued_jobs(broker: redis.Redis, shards: Iterable[int]) -> dict[str, str]:
@@ -36,8 +28,7 @@ def queued_jobs(broker: redis.Redis, shards: Iterable[int]) -> dict[str, str]:
     queued: dict[str, str] = {}
     copies: Counter[str] = Counter()
     for shard in shards:
-        for raw in broker.lrange(queue_name(shard), 0, -1):
-            envelope = json.loads(raw)
+        for envelope in _envelopes(broker, shard):
             body = kombu_compression.decompress(base64.b64decode(envelope["body"]),
                                                 envelope["headers"]["compression"])
             ((payload,), _, _) = json.loads(body)
@@ -46,3 +37,9 @@ def queued_jobs(broker: redis.Redis, shards: Iterable[int]) -> dict[str, str]:
                 queued[job_id] = envelope["headers"]["id"]
     assert not [job_id for job_id, count in copies.items() if count > 1], "queued twice"
     return queued
+
+
+def _envelopes(broker: redis.Redis, shard: int) -> Iterator[dict[str, Any]]:
+    """The envelopes in `shard`'s queue, oldest first (kombu pushes to the head)."""
+    for raw in reversed(broker.lrange(queue_name(shard), 0, -1)):
+        yield json.loads(raw)

@@ -23,6 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import cached_property
 from typing import Any
 
 import redis
@@ -71,6 +72,44 @@ _LAST_LOCK_PAUSE = 0.05
 _RELEASE_SCRIPT = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
+"""
+# What cache-aware routing reads, in one round trip: the routing lock taken (unless ARGV[1] is
+# empty: already held), the recency clock advanced by the blocks the submit touches, the
+# capacities and loads, and per live shard its estimate's size and, for each of the submit's
+# chains whose first block the shard holds, every block's score (false where it holds none).
+# KEYS: lock, clock, capacities, loads, then the live shards' estimates.
+# ARGV: token, lock milliseconds, blocks touched, number of chains, then each chain's length
+# and blocks.
+_READ_SCRIPT = """
+if ARGV[1] ~= '' and not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return false
+end
+local reply = {redis.call('incrby', KEYS[2], ARGV[3]), redis.call('hgetall', KEYS[3]),
+               redis.call('hgetall', KEYS[4])}
+local starts, lengths, at = {}, {}, 5
+for c = 1, tonumber(ARGV[4]) do
+  lengths[c] = tonumber(ARGV[at])
+  starts[c] = at + 1
+  at = at + lengths[c] + 1
+end
+for s = 5, #KEYS do
+  local held = {redis.call('zcard', KEYS[s])}
+  for c = 1, #starts do
+    local scores = false
+    if redis.call('zscore', KEYS[s], ARGV[starts[c]]) then
+      scores = {}
+      local last = starts[c] + lengths[c] - 1
+      for first = starts[c], last, 1000 do
+        local part = redis.call('zmscore', KEYS[s],
+                                unpack(ARGV, first, math.min(first + 999, last)))
+        for k = 1, #part do scores[#scores + 1] = part[k] end
+      end
+    end
+    held[#held + 1] = scores
+  end
+  reply[#reply + 1] = held
+end
+return reply
 """
 
 
@@ -190,48 +229,39 @@ class CacheAwareRouter(Router):
               ) -> tuple[CacheAwarePolicy, int]:
         """Take the routing lock under `token`, then the policy over the live shards (by index)
         seeded with what they hold of these jobs' chains, their loads and capacities; and the
-        recency clock reserved for the blocks this submit touches.
-        Two round trips: the lock and everything but the chains, then the chains whose first
-        block a shard holds. A producer that finds the lock held waits for it with the lock's
-        command alone, then reads (what it read beside the refused lock may be stale)."""
+        recency clock reserved for the blocks this submit touches. One round trip
+        (`_READ_SCRIPT`); a producer that finds the lock held waits for it with the lock's
+        command alone, then reads."""
         chains = list({job.keys.blocks: None for job in jobs if job.keys.blocks})
-        firsts = [chain[0] for chain in chains]
         touched = sum(len(job.keys.blocks) for job in jobs)
-        state = self._read_state(live, firsts, touched, lock=token)
+        state = self._read_state(live, chains, touched, lock=token)
         if state is None:
             self._wait_for_lock(token)
-            state = self._read_state(live, firsts, touched, lock=None)
+            state = self._read_state(live, chains, touched, lock=None)
         assert state is not None
-        clock, capacities, loads, per_shard = state
         try:
-            return self._seeded(live, chains, firsts, capacities, loads, per_shard), (
-                int(clock) - touched)
+            clock, capacities, loads, *per_shard = state
+            return self._seeded(live, chains, _pairs(capacities), _pairs(loads),
+                                per_shard), int(clock) - touched
         except BaseException:
             self._redis.eval(_RELEASE_SCRIPT, 1, ROUTING_LOCK_KEY, token)
             raise
 
-    def _read_state(self, live: Sequence[int], firsts: list[bytes], touched: int, *,
-                    lock: bytes | None) -> tuple[Any, Any, Any, list[Any]] | None:
-        """The recency clock reserved for `touched` blocks, capacities, loads and each live
-        shard's size and first blocks held, in one round trip; taking the routing lock under
-        `lock` first if given, and None (nothing reserved) if another producer holds it."""
-        with self._redis.pipeline(transaction=False) as pipe:
-            if lock is not None:
-                pipe.set(ROUTING_LOCK_KEY, lock, nx=True, px=_LOCK_SECONDS * 1000)
-            pipe.incrby(CACHE_CLOCK_KEY, touched)
-            pipe.hgetall(CAPACITY_KEY)
-            pipe.hgetall(LOAD_KEY)
-            for shard in live:
-                pipe.zcard(cache_key(shard))
-                if firsts:
-                    pipe.zmscore(cache_key(shard), firsts)
-            replies = pipe.execute()
-        if lock is not None:
-            locked, *replies = replies
-            if not locked:
-                return None
-        clock, capacities, loads, *per_shard = replies
-        return clock, capacities, loads, per_shard
+    def _read_state(self, live: Sequence[int], chains: list[tuple[bytes, ...]], touched: int,
+                    *, lock: bytes | None) -> list[Any] | None:
+        """What `_READ_SCRIPT` reads, taking the routing lock under `lock` first if given; None
+        (nothing reserved) if another producer holds it."""
+        arguments: list[bytes | int] = [lock or b"", _LOCK_SECONDS * 1000, touched, len(chains)]
+        for chain in chains:
+            arguments.append(len(chain))
+            arguments.extend(chain)
+        reply = self._read(keys=[ROUTING_LOCK_KEY, CACHE_CLOCK_KEY, CAPACITY_KEY, LOAD_KEY,
+                                 *(cache_key(shard) for shard in live)], args=arguments)
+        return None if reply is None else list(reply)
+
+    @cached_property
+    def _read(self) -> Any:
+        return self._redis.register_script(_READ_SCRIPT)
 
     def _wait_for_lock(self, token: bytes) -> None:
         """Take the routing lock under `token` once the producer holding it lets go, or raise
@@ -247,32 +277,21 @@ class CacheAwareRouter(Router):
             pause = min(pause * 2, _LAST_LOCK_PAUSE)
 
     def _seeded(self, live: Sequence[int], chains: list[tuple[bytes, ...]],
-                firsts: list[bytes], capacities: Mapping[bytes, bytes],
-                loads: Mapping[bytes, bytes], per_shard: list[Any]) -> CacheAwarePolicy:
-        """The policy seeded from what the lock's round trip read, reading the chains whose
-        first block a shard holds."""
-        step = 2 if firsts else 1
-        sizes = per_shard[0::step]
-        candidates = [(index, chain) for index in range(len(live)) if firsts
-                      for chain, score in zip(chains, per_shard[index * step + 1], strict=True)
-                      if score is not None]
-        with self._redis.pipeline(transaction=False) as pipe:
-            for index, chain in candidates:
-                pipe.zmscore(cache_key(live[index]), list(chain))
-            scores = pipe.execute() if candidates else []
+                capacities: Mapping[bytes, bytes], loads: Mapping[bytes, bytes],
+                per_shard: list[Any]) -> CacheAwarePolicy:
+        """The policy seeded from what the read gave: per live shard, its estimate's size and,
+        for each chain, the scores of its blocks if the shard holds its first block."""
         policy = self._policy(len(live))
         policy.loads[:] = loads_of(loads, live)
         for index, shard in enumerate(live):
             learned = capacities.get(str(shard).encode())
             if learned is not None:
                 policy.set_capacity(index, int(learned))
-        held: dict[int, list[tuple[float, tuple[bytes, ...]]]] = {}
-        for (index, chain), chain_scores in zip(candidates, scores, strict=True):
-            leading = _leading_held(chain_scores)
-            held.setdefault(index, []).append((chain_scores[0], chain[:leading]))
-        for index in range(len(live)):
-            prefixes = [prefix for _, prefix in sorted(held.get(index, ()))]
-            policy.seed(index, prefixes, int(sizes[index]))
+        for index, (size, *held_chains) in enumerate(per_shard):
+            held = sorted((float(scores[0]), chain[:_leading_held(scores)])
+                          for chain, scores in zip(chains, held_chains, strict=True)
+                          if scores is not None)
+            policy.seed(index, [prefix for _, prefix in held], int(size))
         return policy
 
     def _save(self, jobs: Sequence[RoutingJob], routes: Sequence[Route], clock: int,
@@ -362,7 +381,12 @@ def _placed_routes(jobs: Sequence[RoutingJob], demands: Sequence[DocumentDemand]
     return estimated_routes(jobs, shards, held)
 
 
-def _leading_held(scores: Sequence[float | None]) -> int:
+def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    """A hash as a script returns it (field, value, field, value, ...) as a dict."""
+    return dict(zip(flat[0::2], flat[1::2], strict=True))
+
+
+def _leading_held(scores: Sequence[bytes | None]) -> int:
     for index, score in enumerate(scores):
         if score is None:
             return index

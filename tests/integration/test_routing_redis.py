@@ -112,6 +112,18 @@ def test_cache_aware_routes_later_questions_to_the_shard_holding_the_document(
     assert router.route([RoutingJob(edited, 20)])[0] == Route(first.shard, 20 - 4, 20 - 4)
 
 
+def test_cache_aware_reads_a_chain_longer_than_one_slice_of_its_read(routing_settings) -> None:
+    # 2,500 blocks: the estimate's read takes a held chain's scores 1,000 blocks at a time.
+    router = _router(routing_settings)
+    redis.Redis.from_url(routing_settings.redis_url).hset(CAPACITY_KEY, mapping={
+        str(shard): 10_000 for shard in range(routing_settings.shards)})
+    long = _doc(3, blocks=2_500)
+    tokens = 4 * 2_500 + 2
+    first = router.route([RoutingJob(long, tokens)])[0]
+    again = _router(routing_settings).route([RoutingJob(long, tokens)])[0]
+    assert again == Route(first.shard, tokens - long.cacheable_tokens,
+                          tokens - long.cacheable_tokens)
+
 def test_cache_aware_spreads_a_hot_document_within_one_submit(routing_settings) -> None:
     router = _router(routing_settings)
     hot = _doc(2, blocks=8)

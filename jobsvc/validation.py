@@ -56,6 +56,9 @@ class ContextExceeded(InvalidJob):
 
 def text_fault(value: str) -> str | None:
     """What makes `value` text that can be neither stored nor tokenized, or None."""
+    if value.isascii():
+        # Known of the string without reading it: no surrogate, and NUL found by a byte scan.
+        return "a NUL character" if "\x00" in value else None
     found = _UNSTORABLE.search(value)
     if found is None:
         return None
@@ -408,7 +411,7 @@ def _check_text(name: str, value: Any, limit: int, *, setting: str | None = None
     JOBSVC_MAX_<NAME>_CHARS unless given)."""
     if not isinstance(value, str):
         raise InvalidJob(f"{name} must be text (str), got {type(value).__name__}", name)
-    if not value.strip():
+    if not value or value.isspace():
         raise InvalidJob(f"{name} is empty; give it some text", name)
     if len(value) > limit:
         raise InvalidJob(f"{name} has {len(value)} characters, over the limit of {limit} "

@@ -23,6 +23,8 @@ _max_output = 256 * 1024 * 1024
 _CHUNK = 1 << 20
 # Token frames: one type byte, then the IDs as little-endian unsigned integers of this width.
 _TOKEN_WIDTHS = {b"H": 2, b"I": 4}
+# Token frames of fewer IDs are stored uncompressed (neither type byte starts a zstd frame).
+RAW_TOKENS_BELOW = 64
 
 
 class FrameTooLarge(ValueError):
@@ -77,22 +79,26 @@ class TokenFrameError(ValueError):
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Token IDs as one zstd frame: 2 bytes per ID when the vocabulary allows (most do), else
-    4; a fraction of the size of the IDs as JSON, and cheap to read back."""
+    """Token IDs as a frame: a type byte, then 2 bytes per ID when the vocabulary allows (most
+    do), else 4; a fraction of the size of the IDs as JSON, and cheap to read back. A frame of
+    RAW_TOKENS_BELOW IDs or more is compressed with zstd; a shorter one (a question) is
+    kept as it is, since compressing it would save a few bytes for more CPU than the rest of
+    its job's record costs."""
     typecode = "H" if max(tokens, default=0) < 1 << 16 else "I"
     ids = array(typecode, tokens)
     if sys.byteorder == "big":
         ids.byteswap()
-    return compress(typecode.encode() + ids.tobytes())
+    frame = typecode.encode() + ids.tobytes()
+    return frame if len(tokens) < RAW_TOKENS_BELOW else compress(frame)
 
 
 def unpack_tokens(frame: bytes) -> tuple[int, ...]:
-    """The token IDs of a frame from `pack_tokens` (none, for an embedding job's empty
-    question); anything else raises TokenFrameError. A tuple, which the garbage collector
-    stops tracking once it has met it (a list it would walk at every collection while the
-    document is in use)."""
+    """The token IDs of a frame from `pack_tokens`, compressed or not (none, for an
+    embedding job's empty question); anything else raises TokenFrameError. A tuple, which the
+    garbage collector stops tracking once it has met it (a list it would walk at every
+    collection while the document is in use)."""
     try:
-        data = decompress(frame)
+        data = decompress(frame) if is_zstd_frame(frame) else frame
     except (zstandard.ZstdError, FrameTooLarge) as error:
         raise TokenFrameError(f"not a readable zstd frame ({error})") from None
     kind, body = data[:1], data[1:]

@@ -142,7 +142,7 @@ class Dispatcher:
                                      if job_id not in taken])]
         # messages --> shard queues
         try:
-            publish(self._celery, messages)
+            publish(self._celery, self._redis, messages)
         except Exception as error:
             recorded = [job_id for job_id in job_ids if job_id not in taken]
             with translated(f"withdraw {len(recorded)} jobs after Redis refused them"):
@@ -187,7 +187,7 @@ class Dispatcher:
              *((shard, job.load) for job in jobs if job.job_id in moved)]))
         # Recorded first: should the send fail, the jobs have no live message and the
         # reconciler sends them again on their new shards.
-        publish(self._celery, [message for message in messages
+        publish(self._celery, self._redis, [message for message in messages
                                if any(job_id in moved for job_id in message.job_ids)])
         return {job_id: route_of[job_id].shard for job_id in moved}
 
@@ -204,7 +204,7 @@ class Dispatcher:
                 claimed.setdefault(job.shard, []).append(job.job_id)
             else:
                 unclaimed.setdefault((job.shard, job.message_id), []).append(job.job_id)
-        publish(self._celery, [QueueMessage(shard, job_ids, message_id)
+        publish(self._celery, self._redis, [QueueMessage(shard, job_ids, message_id)
                                for (shard, message_id), job_ids in unclaimed.items()])
         return len(lost) - sum(map(len, claimed.values())) + self._requeue(claimed)
 
@@ -219,7 +219,7 @@ class Dispatcher:
             return 0
         # Recorded first: should the send fail, the next round finds the jobs again.
         self._store.assign_messages(messages)
-        publish(self._celery, messages)
+        publish(self._celery, self._redis, messages)
         return sum(len(message.job_ids) for message in messages)
 
     @staticmethod

@@ -53,18 +53,17 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def publish(app: Celery, messages: Sequence[QueueMessage]) -> None:
-    """Send every message, and name it in its shard's message set, in one Redis transaction:
-    a message is in its queue exactly when the set names it, whatever dies when.
+def publish(app: Celery, client: redis.Redis, messages: Sequence[QueueMessage]) -> None:
+    """Send every message, and name it in its shard's message set, in one Redis transaction
+    on `client` (connected to `app`'s broker): a message is in its queue exactly when the set
+    names it, whatever dies when.
 
     The envelopes are the ones Celery's `send_task` and kombu's Redis transport would write
     (`_envelope`), built here so that the message and its name go in together and a submit
     costs one round trip to Redis instead of a publish per message."""
     if not messages:
         return
-    # A pooled connection: a fresh one connects and pings before its first command.
-    with app.pool.acquire(block=True) as connection, \
-            connection.default_channel.client.pipeline(transaction=True) as pipe:
+    with client.pipeline(transaction=True) as pipe:
         for message in messages:
             pipe.lpush(queue_name(message.shard), json.dumps(_envelope(app, message)))
         for shard, ids in _by_shard((message.shard, message.message_id)

@@ -57,8 +57,8 @@ def test_a_redis_restart_with_a_million_queued_jobs_sends_each_again_once(
     recorded = _recorded_messages(settings)
     assert len(recorded) == BACKLOG
     # Queued as their producers sent them, then Redis restarts and keeps nothing.
-    publish(make_celery(settings), _messages(recorded))
     client = redis.Redis.from_url(settings.redis_url)
+    publish(make_celery(settings), client, _messages(recorded))
     assert sum(client.llen(queue_name(shard)) for shard in range(SHARDS)) > BACKLOG // 256
     broker.stop()
     broker.start()

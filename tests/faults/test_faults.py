@@ -117,7 +117,8 @@ def _enqueue_by_hand(harness: Harness, documents: dict[str, tuple[bytes, bytes]]
                shard=0, prompt_tokens=4,
                estimated_prefill=4, load=4, message_id=message.message_id)
         for key in documents])
-    publish(make_celery(harness.settings), [message])
+    publish(make_celery(harness.settings), redis.Redis.from_url(harness.settings.redis_url),
+            [message])
     return list(job_ids.values())
 
 
@@ -305,7 +306,8 @@ def test_a_job_that_kills_its_engine_fails_alone_and_what_piles_up_meanwhile_run
     for item in broker.lrange(queue, 0, -1):
         broker.lpush(queue, item, item, item)
     # A message of our own format naming real jobs, not theirs: it must run nothing.
-    publish(make_celery(harness.settings), [QueueMessage(0, list(asked), uuid.uuid4().hex)])
+    publish(make_celery(harness.settings), broker, [QueueMessage(0, list(asked),
+                                                                 uuid.uuid4().hex)])
     broker.lpush(queue, b"not json at all", b"[1,2,3]")
     # Killed again by the culprit's message, with nothing else in the engine; then by the
     # culprit alone.

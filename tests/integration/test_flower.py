@@ -210,7 +210,7 @@ def _message_with_a_failing_job(settings: Settings, store: Store) -> list[str]:
                 shard=0, prompt_tokens=4,
                 estimated_prefill=4, load=4, message_id=message.message_id)
          for job_id in tokens])
-    publish(make_celery(settings), [message])
+    publish(make_celery(settings), redis.Redis.from_url(settings.redis_url), [message])
     return message.job_ids
 
 

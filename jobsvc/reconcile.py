@@ -110,7 +110,10 @@ class Reconciler:
         if not lock.acquire():
             return RoundReport()
         try:
-            # Read once a round (it sums every unfinished job), again only after moves.
+            # Read once a round, again only after moves. The counts are folded here first: one
+            # round runs at a time, so folds never wait on one another, and the other readers
+            # of the counts (`jobsvc status`, the mover) only read.
+            self._store.fold_active_counts()
             loads = self._store.active_load()
             moved, dead = self._move_off_dead_shards(loads)
             if moved:

@@ -1,5 +1,7 @@
 """Counts and totals for operators and summaries: load and active jobs by shard, batches by
-status, and the job and token totals of `jobsvc stats`."""
+status, and the job and token totals of `jobsvc stats`. On PostgreSQL the active jobs are
+counted as they change, by triggers (migration 0016), so these reads do not grow with the
+backlog; the embedded SQLite counts the jobs themselves."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from sqlalchemy import func, inspect, select
 from jobsvc.store.database import Database
 from jobsvc.store.records import load_by_shard
 from jobsvc.store.tables import BatchRow, Job, Result
-from jobsvc.wire import ACTIVE_STATUSES
 
 
 class Counting(Database):
@@ -23,34 +24,32 @@ class Counting(Database):
 
     def active_load(self) -> dict[int, int]:
         """What every unfinished job charged its shard, summed by shard."""
-        query = (select(Job.shard, func.sum(Job.load)).where(Job.status.in_(ACTIVE_STATUSES))
-                 .group_by(Job.shard))
         with self._reads.connect() as connection:
-            return load_by_shard(connection.execute(query))
+            return load_by_shard((row.shard, row.load) for row in connection.execute(
+                self._sql.active_totals(["shard"])))
 
     def active_counts(self) -> dict[int, dict[str, int]]:
-        """Queued and running jobs by shard and status, for operators: one GROUP BY over the
-        active entries of the status index, however many finished jobs the table holds."""
-        query = (select(Job.shard, Job.status, func.count()).where(Job.status.in_(ACTIVE_STATUSES))
-                 .group_by(Job.shard, Job.status))
+        """Queued and running jobs by shard and status, for operators."""
         counts: dict[int, dict[str, int]] = {}
         with self._reads.connect() as connection:
-            for shard, status, count in connection.execute(query):
-                counts.setdefault(shard, {})[status] = int(count)
+            for row in connection.execute(self._sql.active_totals(["shard", "status"])):
+                counts.setdefault(row.shard, {})[row.status] = int(row.jobs)
         return counts
 
     def active_by_model(self, shard: int | None = None) -> dict[str, dict[str, int]]:
         """Queued and running jobs by the model they ask for and status, on one shard or all."""
-        query = select(Job.model, Job.status, func.count()).where(
-            Job.status.in_(ACTIVE_STATUSES))
-        if shard is not None:
-            query = query.where(Job.shard == shard)
         counts: dict[str, dict[str, int]] = {}
         with self._reads.connect() as connection:
-            for model, status, count in connection.execute(query.group_by(Job.model,
-                                                                          Job.status)):
-                counts.setdefault(model, {})[status] = int(count)
+            for row in connection.execute(self._sql.active_totals(["model", "status"], shard)):
+                counts.setdefault(row.model, {})[row.status] = int(row.jobs)
         return counts
+
+    def fold_active_counts(self) -> None:
+        """Sum up the changes the counts of unfinished jobs are kept as (on PostgreSQL), so
+        that reading them reads about a row per shard, model and status: a reconciliation
+        round does it before it reads them."""
+        with self.engine.begin() as connection:
+            self._sql.fold_active_totals(connection)
 
     def batch_counts(self) -> dict[str, int] | None:
         """Batches of the batch API by status; None where the schema has no such table yet

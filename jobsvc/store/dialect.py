@@ -12,11 +12,13 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Select,
     String,
     any_,
     bindparam,
     create_engine,
     event,
+    func,
     literal,
     select,
     text,
@@ -31,8 +33,8 @@ from jobsvc.choices import encode_choices
 from jobsvc.embeddings import pack_vectors
 from jobsvc.store.conditions import FINISHED, unfinished
 from jobsvc.store.records import JobOutcome, load_by_shard, utcnow
-from jobsvc.store.tables import Job, Result
-from jobsvc.wire import JobStatus
+from jobsvc.store.tables import Job, Result, active_job_counts
+from jobsvc.wire import ACTIVE_STATUSES, JobStatus
 
 
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -130,6 +132,17 @@ class Dialect:
         job's first ending counts); returns the load of the jobs ended, by shard."""
         raise NotImplementedError
 
+    def active_totals(self, keys: Sequence[str], shard: int | None = None) -> Select[Any]:
+        """The unfinished jobs (of one shard, or all) grouped by `keys` (of shard, model and
+        status): a row per group that has any, its keys, then `jobs` (how many) and `load`
+        (what they charged)."""
+        raise NotImplementedError
+
+    def fold_active_totals(self, connection: Connection) -> None:
+        """Keep what `active_totals` reads to about a row per group, where it reads counts
+        kept as changes."""
+        raise NotImplementedError
+
 
 # A gathering's outcomes in one statement on PostgreSQL, from arrays: the jobs still active
 # take theirs, those that succeeded get their result rows, and the loads of the jobs it ended
@@ -221,6 +234,16 @@ def _copy_rows(connection: Connection, table: Any, rows: Sequence[dict[str, Any]
                             for column, dumped in zip(columns, as_json, strict=True)])
 
 
+# The changes of `active_job_counts` replaced by their sums, a row per key, in one statement:
+# a key whose sums are nothing leaves no row. Rows appended meanwhile by writers of jobs stay
+# as they are, for the next fold, and a fold running at once finds the rows this one took gone.
+_FOLD_ACTIVE_COUNTS_POSTGRESQL = text("""
+WITH gone AS (DELETE FROM active_job_counts RETURNING shard, model, status, jobs, load)
+INSERT INTO active_job_counts (shard, model, status, jobs, load)
+SELECT shard, model, status, sum(jobs), sum(load) FROM gone GROUP BY shard, model, status
+HAVING sum(jobs) <> 0 OR sum(load) <> 0""")
+
+
 class PostgreSQL(Dialect):
     """The record of every job: arrays, COPY and row locks."""
 
@@ -302,6 +325,19 @@ class PostgreSQL(Dialect):
             "embeddings": [_embeddings_frame(o) for o in succeeded],
         }))
 
+    def active_totals(self, keys: Sequence[str], shard: int | None = None) -> Select[Any]:
+        # The sums of the triggers' rows of changes (migration 0016): a read of about a row
+        # per key once folded, however many jobs are unfinished.
+        counts = active_job_counts.c
+        groups = [counts[key] for key in keys]
+        query = (select(*groups, func.sum(counts.jobs).label("jobs"),
+                        func.sum(counts.load).label("load"))
+                 .group_by(*groups).having(func.sum(counts.jobs) != 0))
+        return query if shard is None else query.where(counts.shard == shard)
+
+    def fold_active_totals(self, connection: Connection) -> None:
+        connection.execute(_FOLD_ACTIVE_COUNTS_POSTGRESQL)
+
 
 class SQLite(Dialect):
     """The one-machine demo's file: no arrays, and no row locks (it writes one transaction at
@@ -376,6 +412,16 @@ class SQLite(Dialect):
             [{"b_id": o.job_id, "b_error": o.error, "b_finished_at": o.finished_at,
               "b_status": o.status.value} for o in outcomes])
         return load_by_shard(active[o.job_id] for o in outcomes)
+
+    def active_totals(self, keys: Sequence[str], shard: int | None = None) -> Select[Any]:
+        # The unfinished jobs themselves, through the status index.
+        groups = [Job.__table__.c[key] for key in keys]
+        query = (select(*groups, func.count().label("jobs"), func.sum(Job.load).label("load"))
+                 .where(Job.status.in_(ACTIVE_STATUSES)).group_by(*groups))
+        return query if shard is None else query.where(Job.shard == shard)
+
+    def fold_active_totals(self, connection: Connection) -> None:
+        pass
 
 
 def _choices_frame(outcome: JobOutcome) -> bytes | None:

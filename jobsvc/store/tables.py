@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     LargeBinary,
     SmallInteger,
     String,
+    Table,
     Text,
     text,
 )
@@ -88,6 +90,19 @@ class Job(Base):
         Index(name, *columns, postgresql_where=_UNFINISHED, sqlite_where=_UNFINISHED)
         for name, columns in (("ix_jobs_unfinished_sent", ("enqueued_at", "id")),
                               ("ix_jobs_unfinished_message", ("message_id",))))
+
+
+# Unfinished jobs by shard, model and status on PostgreSQL, as rows of changes that triggers
+# on `jobs` append (migration 0016): the counts are the sums of the rows of a key. Appended,
+# never updated, so no two writers of jobs wait on one counter. SQLite has no such table: there
+# the jobs themselves are counted.
+active_job_counts = Table(
+    "active_job_counts", Base.metadata,
+    Column("shard", Integer, nullable=False),
+    Column("model", String(MAX_MODEL_NAME_CHARS), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("jobs", BigInteger, nullable=False),
+    Column("load", BigInteger, nullable=False))
 
 
 class Result(Base):

@@ -6,6 +6,7 @@ from arrays. The store's operations are written once, above a `Dialect`."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -18,6 +19,7 @@ from sqlalchemy import (
     bindparam,
     create_engine,
     event,
+    exc,
     func,
     literal,
     select,
@@ -51,6 +53,33 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
 # scanning all of it as it grows. Planning at each execution costs little beside that, and
 # keeps every plan fit for the table as it is.
 _POSTGRESQL_OPTIONS = "-c plan_cache_mode=force_custom_plan"
+# A pooled connection idle this long is pinged before use. One used more lately is taken as
+# it is: a ping on every checkout was a round trip and a fifth of a single submit's time. If
+# the server went away in between, that one statement fails (StorageUnavailable) and the
+# pool drops every connection made before the failure.
+_PING_AFTER_IDLE_SECONDS = 1.0
+_CHECKED_IN_AT = "jobsvc_checked_in_at"
+
+
+def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+    record.info[_CHECKED_IN_AT] = time.monotonic()
+
+
+def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+    """Ping a connection that has idled: a dead one is replaced before any statement runs."""
+    idle_since = record.info.get(_CHECKED_IN_AT)
+    if idle_since is None or time.monotonic() - idle_since < _PING_AFTER_IDLE_SECONDS:
+        return
+    # Outside a transaction, as the pool hands connections out.
+    autocommit = dbapi_connection.autocommit
+    try:
+        dbapi_connection.autocommit = True
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        dbapi_connection.autocommit = autocommit
+    except Exception as error:
+        # The pool takes this to mean: discard it and check out another.
+        raise exc.DisconnectionError(str(error)) from error
 
 
 def make_engine(database_url: str) -> Engine:
@@ -63,9 +92,12 @@ def make_engine(database_url: str) -> Engine:
         given = url.query.get("options", ())  # kept: the URL may set options of its own
         url = url.update_query_dict({"options": " ".join(
             [*([given] if isinstance(given, str) else given), _POSTGRESQL_OPTIONS])})
-    engine = create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _on_sqlite_connect)
+    else:
+        event.listen(engine, "checkin", _on_checkin)
+        event.listen(engine, "checkout", _on_checkout)
     return engine
 
 
@@ -188,27 +220,29 @@ _SUBMITTED_ARRAYS = (("ids", "id"), ("document_keys", "document_key"), ("questio
                      ("shards", "shard"), ("prompt_tokens", "prompt_tokens"),
                      ("prefills", "estimated_prefill"), ("loads", "load"),
                      ("message_ids", "message_id"))
-_INSERT_SUBMITTED_POSTGRESQL = text("""
+# Sent by the driver itself: through SQLAlchemy, binding its arrays cost a single submit
+# more of the producer's CPU than the database spent on it.
+_INSERT_SUBMITTED_POSTGRESQL = """
 WITH new_documents AS (
     INSERT INTO documents (key, text_zst, tokens_zst, tokens, created_at)
-    SELECT d.key, d.text_zst, d.tokens_zst, d.tokens, :now
-    FROM unnest(CAST(:keys AS varchar[]), CAST(:texts AS bytea[]),
-                CAST(:document_tokens AS bytea[]), CAST(:token_counts AS integer[]))
+    SELECT d.key, d.text_zst, d.tokens_zst, d.tokens, %(now)s
+    FROM unnest(CAST(%(keys)s AS varchar[]), CAST(%(texts)s AS bytea[]),
+                CAST(%(document_tokens)s AS bytea[]), CAST(%(token_counts)s AS integer[]))
          AS d (key, text_zst, tokens_zst, tokens)
     ON CONFLICT DO NOTHING)
 INSERT INTO jobs (id, document_key, question, question_tokens_zst, sampling, model, shard,
                   status, prompt_tokens, estimated_prefill, load, message_id, submitted_at,
                   enqueued_at)
 SELECT j.id, j.document_key, j.question, j.question_tokens_zst, j.sampling, j.model, j.shard,
-       'queued', j.prompt_tokens, j.estimated_prefill, j.load, j.message_id, :now, :now
-FROM unnest(CAST(:ids AS varchar[]), CAST(:document_keys AS varchar[]),
-            CAST(:questions AS text[]), CAST(:question_tokens AS bytea[]),
-            CAST(:samplings AS json[]), CAST(:models AS varchar[]),
-            CAST(:shards AS integer[]), CAST(:prompt_tokens AS integer[]),
-            CAST(:prefills AS integer[]), CAST(:loads AS bigint[]),
-            CAST(:message_ids AS varchar[]))
+       'queued', j.prompt_tokens, j.estimated_prefill, j.load, j.message_id, %(now)s, %(now)s
+FROM unnest(CAST(%(ids)s AS varchar[]), CAST(%(document_keys)s AS varchar[]),
+            CAST(%(questions)s AS text[]), CAST(%(question_tokens)s AS bytea[]),
+            CAST(%(samplings)s AS json[]), CAST(%(models)s AS varchar[]),
+            CAST(%(shards)s AS integer[]), CAST(%(prompt_tokens)s AS integer[]),
+            CAST(%(prefills)s AS integer[]), CAST(%(loads)s AS bigint[]),
+            CAST(%(message_ids)s AS varchar[]))
      AS j (id, document_key, question, question_tokens_zst, sampling, model, shard,
-           prompt_tokens, estimated_prefill, load, message_id)""")
+           prompt_tokens, estimated_prefill, load, message_id)"""
 
 
 _MARK_STARTED_POSTGRESQL = text("""
@@ -291,7 +325,7 @@ class PostgreSQL(Dialect):
     def insert_submitted(self, connection: Connection, documents: Sequence[dict[str, Any]],
                          rows: Sequence[dict[str, Any]]) -> None:
         now = rows[0]["submitted_at"]
-        connection.execute(_INSERT_SUBMITTED_POSTGRESQL, {
+        connection.connection.driver_connection.execute(_INSERT_SUBMITTED_POSTGRESQL, {
             "keys": [row["key"] for row in documents],
             "texts": [row["text_zst"] for row in documents],
             "document_tokens": [row["tokens_zst"] for row in documents],

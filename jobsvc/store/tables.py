@@ -54,7 +54,8 @@ class Job(Base):
 
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    document_key: Mapped[str] = mapped_column(ForeignKey("documents.key"), index=True)
+    # A document's key, written with or after it (no foreign key: migration 0017).
+    document_key: Mapped[str] = mapped_column(String(32))
     question: Mapped[str] = mapped_column(Text)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     # The served model (or LoRA adapter) it asks for: only a worker serving it runs the job.

@@ -8,8 +8,9 @@ never by reading the queues, and a round asks it only of jobs that could be stra
   new       jobs sent since the last round, once each, `stranded_grace` seconds after sending
             (a producer that died between recording and enqueueing)
   dropped   the jobs of messages whose task ended on an error (`keys.DROPPED_JOBS_KEY`)
-  sweep     the unfinished jobs of the next of SWEEP_BUCKETS ranges of message IDs: a slow,
-            bounded backstop that goes round the whole backlog in turn
+  sweep     the unfinished jobs of the next ranges of message IDs, about SWEEP_JOBS_PER_ROUND
+            of them (the ID space cut in SWEEP_BUCKETS, as many taken as the backlog's size
+            calls for): a bounded backstop that goes round the whole backlog in turn
   all       every unfinished job, when `keys.RECONCILED_KEY` is gone or names another run of
             the Redis server: a restarted Redis (whatever it kept), or one never used before
 so a round costs what was sent since the last one, not what waits in the queues.
@@ -67,8 +68,12 @@ _SECOND_LOOK_SECONDS = 0.5
 # Newly sent jobs a round checks at most, and jobs of dropped messages.
 _NEW_JOBS_PER_ROUND = 50_000
 _DROPPED_JOBS_PER_ROUND = 10_000
-# The sweep's ranges of message IDs: a round checks one, about 1/256 of the backlog.
-SWEEP_BUCKETS = 256
+# The sweep's ranges of message IDs, and about how many unfinished jobs a round's sweep reads
+# (a check of every job after a Redis restart reads SWEEP_JOBS_PER_SLICE at a time): with ten
+# million held a round goes round 1/500 of the backlog, with fewer than these all of it.
+SWEEP_BUCKETS = 65_536
+SWEEP_JOBS_PER_ROUND = 20_000
+SWEEP_JOBS_PER_SLICE = 100_000
 
 
 @dataclass
@@ -178,12 +183,14 @@ class Reconciler:
                                      _NEW_JOBS_PER_ROUND)
         count += self._resend(new, dead)
         bucket = int(progress.get("bucket", 0)) % SWEEP_BUCKETS
-        count += self._resend(self._swept(bucket, sent_before), dead, whole=True)
+        buckets = self._sweep_size(bucket, SWEEP_JOBS_PER_ROUND)
+        count += self._resend(self._swept(bucket, buckets, sent_before), dead, whole=True)
         checked = (_mark_text(new[-1].enqueued_at, new[-1].job_id)
                    if len(new) == _NEW_JOBS_PER_ROUND and new[-1].enqueued_at is not None
                    else _mark_text(sent_before, ""))
         self._redis.hset(RECONCILED_KEY, mapping={
-            "server": server, "checked": checked, "bucket": (bucket + 1) % SWEEP_BUCKETS})
+            "server": server, "checked": checked,
+            "bucket": (bucket + buckets) % SWEEP_BUCKETS})
         if count:
             log.warning("sent %d stranded jobs again (no message of theirs was left in Redis)",
                         count)
@@ -253,18 +260,29 @@ class Reconciler:
     def _sweep_all(self, dead: set[int], sent_before: datetime, lock: Lock) -> int:
         """Check every unfinished job sent before `sent_before`, bucket by bucket, keeping
         the round's lock."""
-        count = 0
-        for bucket in range(SWEEP_BUCKETS):
-            count += self._resend(self._swept(bucket, sent_before), dead, whole=True)
+        count = bucket = 0
+        while bucket < SWEEP_BUCKETS:
+            buckets = self._sweep_size(bucket, SWEEP_JOBS_PER_SLICE)
+            count += self._resend(self._swept(bucket, buckets, sent_before), dead, whole=True)
+            bucket += buckets
             lock.extend(RECONCILE_LOCK_SECONDS, replace_ttl=True)
         if count:
             log.warning("Redis had lost its messages: sent %d unfinished jobs again", count)
         return count
 
-    def _swept(self, bucket: int, sent_before: datetime) -> list[SentJob]:
-        """A bucket's unfinished jobs, but those of messages sent too lately to be looked
-        for yet (a producer may be about to publish them)."""
-        jobs = self._store.unfinished_in_bucket(bucket, SWEEP_BUCKETS)
+    def _sweep_size(self, first: int, jobs: int) -> int:
+        """How many buckets from `first` on hold about `jobs` unfinished jobs, the backlog
+        taken as spread evenly over the IDs (they are random): at least one, and none past the
+        last."""
+        unfinished = sum(sum(by_status.values())
+                         for by_status in self._store.active_counts().values())
+        wanted = -(-SWEEP_BUCKETS * jobs // max(unfinished, 1))
+        return max(1, min(wanted, SWEEP_BUCKETS - first))
+
+    def _swept(self, first: int, buckets: int, sent_before: datetime) -> list[SentJob]:
+        """The unfinished jobs of `buckets` buckets from `first` on, but those of messages
+        sent too lately to be looked for yet (a producer may be about to publish them)."""
+        jobs = self._store.unfinished_in_buckets(first, buckets, SWEEP_BUCKETS)
         young = {job.message_id for job in jobs
                  if job.enqueued_at is not None and job.enqueued_at >= sent_before}
         return [job for job in jobs if job.message_id not in young]

@@ -41,13 +41,15 @@ def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
 _SENT_COLUMNS = (Job.id, Job.shard, Job.message_id, Job.enqueued_at, Job.worker, Job.status)
 
 
-def _sent(row: Any) -> SentJob:
+_QUEUED = JobStatus.QUEUED.value
+
+
+def _sent(row: Sequence[Any]) -> SentJob:
+    job_id, shard, message_id, sent, worker, status = row
     # SQLite gives back the UTC times it was given without their zone.
-    sent = row.enqueued_at
-    return SentJob(row.id, row.shard, row.message_id,
-                   sent.replace(tzinfo=UTC) if sent is not None and sent.tzinfo is None
-                   else sent,
-                   row.worker is not None or row.status != JobStatus.QUEUED.value)
+    if sent is not None and sent.tzinfo is None:
+        sent = sent.replace(tzinfo=UTC)
+    return SentJob(job_id, shard, message_id, sent, worker is not None or status != _QUEUED)
 
 
 def _bucket_bounds(bucket: int, buckets: int) -> tuple[str, str | None]:
@@ -124,12 +126,14 @@ class Submitting(Database):
             select(*_SENT_COLUMNS).where(Job.enqueued_at < enqueued_before, *after)
             .order_by(Job.enqueued_at, Job.id).limit(limit))
 
-    def unfinished_in_bucket(self, bucket: int, buckets: int) -> list[SentJob]:
-        """The unfinished jobs whose message IDs fall in one of `buckets` ranges of the
-        (hexadecimal) IDs, every job of each such message: a slice of the sweep that checks
-        every unfinished job's message in turn. A range, not a page in ID order, so the read is
-        the same index range scan whatever the planner knows of the table."""
-        low, high = _bucket_bounds(bucket, buckets)
+    def unfinished_in_buckets(self, first: int, count: int, buckets: int) -> list[SentJob]:
+        """The unfinished jobs whose message IDs fall in `count` of `buckets` even ranges of
+        the (hexadecimal) IDs from bucket `first` on, every job of each such message: a slice
+        of the sweep that checks every unfinished job's message in turn. A range, not a page in
+        ID order, so the read is the same index range scan whatever the planner knows of the
+        table."""
+        low, _ = _bucket_bounds(first, buckets)
+        _, high = _bucket_bounds(first + count - 1, buckets)
         below = [] if high is None else [Job.message_id < high]
         return self._unfinished(select(*_SENT_COLUMNS).where(Job.message_id >= low, *below))
 
@@ -150,8 +154,10 @@ class Submitting(Database):
         """What `query` reads of the jobs, restricted to the unfinished ones (the condition
         the partial indexes of migration 0015 are made for)."""
         with self._reads.connect() as connection:
-            return [_sent(row) for row in connection.execute(
-                query.where(Job.status.in_(ACTIVE_STATUSES)))]
+            # Fetched at once, as plain tuples: a sweep at ten million held reads tens of
+            # thousands of rows, and row by row that cost more than the query.
+            rows = connection.execute(query.where(Job.status.in_(ACTIVE_STATUSES))).all()
+            return [_sent(row) for row in rows]
 
     def jobs_on_shard(self, shard: int, *, unclaimed_only: bool,
                       enqueued_before: datetime | None, models: Collection[str],

@@ -368,11 +368,16 @@ def test_reconciliation_reads_unfinished_jobs_by_send_time_by_message_and_by_nam
     after_first = store.sent_after((sent[0].enqueued_at, first), cutoff, 10_000)
     assert [job.job_id for job in after_first if job.job_id in mine] == [second]
     # Every unfinished job falls in exactly one bucket of message IDs.
-    swept = [job.job_id for bucket in range(16) for job in store.unfinished_in_bucket(bucket, 16)
-             if job.job_id in mine]
+    swept = [job.job_id for bucket in range(16)
+             for job in store.unfinished_in_buckets(bucket, 1, 16) if job.job_id in mine]
     assert sorted(swept) == sorted([first, second, young])
-    assert [job.job_id for job in store.unfinished_in_bucket(10, 16) if job.job_id in mine] == [
-        first]  # message "a"
+    assert [job.job_id for job in store.unfinished_in_buckets(10, 1, 16)
+            if job.job_id in mine] == [first]  # message "a"
+    # Contiguous buckets read as one range: 10 and 11 hold "a" and "b".
+    assert sorted(job.job_id for job in store.unfinished_in_buckets(10, 2, 16)
+                  if job.job_id in mine) == sorted([first, second])
+    assert sorted(job.job_id for job in store.unfinished_in_buckets(0, 16, 16)
+                  if job.job_id in mine) == sorted([first, second, young])
     assert {job.job_id for job in store.unfinished_among([first, young, finished])} == {
         first, young}
     assert [job.job_id for job in store.unfinished_of_messages(["c", "d"])] == [young]

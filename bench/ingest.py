@@ -8,13 +8,16 @@ document in a system message, as files built for prefix caching do), starts `job
 as a child process on the configured database and Redis, uploads the file with the official
 `openai` client, and times validation and ingestion (until every line has its job) from the
 batch's own record. Peak memory is the server's peak resident set (VmHWM) before the upload
-and after ingest. No worker needs to run: the jobs stay queued, so use a database and Redis
-of their own and drop them afterwards."""
+and after ingest. Beside them, what the machine allows for the same file: the model's
+tokenizer alone on each slice's distinct prefixes and its suffixes, cut as the server cuts
+them, and a raw `COPY` of the batch's job rows. No worker needs to run: the jobs stay queued,
+so use a database and Redis of their own and drop them afterwards."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import random
 import tempfile
@@ -24,8 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psycopg
 
+from jobsvc.batchapi.chat_template import ChatTemplate
+from jobsvc.batchapi.driver import SLICE_LINES
+from jobsvc.bench.controlplane import copy_rows_per_s, postgres_conninfo
 from jobsvc.child_processes import ServerProcess
+from jobsvc.prompts import PromptBuilder
 from jobsvc.settings import Settings
 from jobsvc.store import make_engine
 from jobsvc.store.batches import BatchRecord, BatchStore
@@ -101,6 +109,31 @@ def measure(settings: Settings, path: Path, port: int, log: Path) -> dict[str, A
         server.stop(timeout=60)
 
 
+def tokenizer_limit(settings: Settings, path: Path) -> float:
+    """Lines per second of the model's tokenizer alone on the file, called as the server calls
+    it: per slice, once for the slice's distinct prefixes and once for its suffixes."""
+    template, prompts = ChatTemplate(settings.model), PromptBuilder(settings.model)
+    spent, lines = 0.0, 0
+    with path.open("rb") as stream:
+        while batch := list(itertools.islice(stream, SLICE_LINES)):
+            splits = [template.split(json.loads(raw)["body"]["messages"]) for raw in batch]
+            started = time.perf_counter()
+            prompts.encode(list(dict.fromkeys(split.prefix for split in splits)), special=False)
+            prompts.encode([split.suffix for split in splits], special=False)
+            spent += time.perf_counter() - started
+            lines += len(batch)
+    return lines / spent
+
+
+def limits(settings: Settings, path: Path, lines: int) -> dict[str, float]:
+    """What the machine allows for the same file, in lines per second: the tokenizer alone,
+    and a raw `COPY` of the batch's jobs (the newest rows, a slice per transaction)."""
+    with psycopg.connect(postgres_conninfo(settings.resolved_database_url)) as conn:
+        copy = copy_rows_per_s(conn, lines, SLICE_LINES)
+    return {"tokenizer_lines_per_second": round(tokenizer_limit(settings, path)),
+            "copy_jobs_per_second": round(copy)}
+
+
 def _wait_ingested(batches: BatchStore, batch_id: str) -> BatchRecord:
     """Poll the batch's record until every line has its row (its job enqueued)."""
     while True:
@@ -134,6 +167,7 @@ def main() -> None:
         result = {"questions_per_document": args.questions, "words": args.words,
                   "shards": settings.shards,
                   **measure(settings, path, args.port, Path(folder) / "serve.log")}
+        result["limit"] = limits(settings, path, result["lines"])
     print(json.dumps(result, indent=2))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,8 @@ The tools a chat request offers are the template's to render, as vLLM gives them
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +28,9 @@ from jobsvc.batchapi.line_requests import LineError
 PARAGRAPH_BREAK = "\n\n"
 # Stands in for the last message's content, to find where the template puts it.
 _MARK = "\x00jobsvc-last-message\x00"
+# Characters of conversations (and what the template writes around their last message) kept
+# of those rendered lately: a file asks each document its questions close together.
+_RECENT_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class ChatTemplate:
 
     def __init__(self, model: str) -> None:
         self._model = model
+        self._recent = _RecentRenders(_RECENT_CHARS)
 
     @cached_property
     def _template(self) -> tuple[Any, dict[str, str]] | None:
@@ -106,14 +112,60 @@ class ChatTemplate:
         """The rendered conversation, cut as the module says."""
         full = self.render(messages, tools)
         last = messages[-1]["content"]
-        marked = self.render([*messages[:-1], {**messages[-1], "content": _MARK}], tools)
-        before, found, after = marked.partition(_MARK)
+        before, found, after = self._marked(messages, tools)
         if not found or not full.startswith(before):
             return SplitPrompt("", full)
         cut = len(before)
         if full == before + last + after:
             cut += max(last.rfind(PARAGRAPH_BREAK), 0)
         return SplitPrompt(full[:cut], full[cut:])
+
+    def _marked(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                ) -> tuple[str, str, str]:
+        """The conversation rendered with the mark for its last message's content, cut at the
+        mark. Every question on a conversation renders it alike, so it is rendered once for
+        the conversations seen lately."""
+        last = {name: value for name, value in messages[-1].items() if name != "content"}
+        key = json.dumps([messages[:-1], last, tools], ensure_ascii=False)
+        if (parts := self._recent.get(key)) is None:
+            parts = self.render([*messages[:-1], {**last, "content": _MARK}], tools
+                                ).partition(_MARK)
+            self._recent.keep(key, parts)
+        return parts
+
+
+class _RecentRenders:
+    """Marked renders by their conversation's JSON, least recently used out first, holding at
+    most `most_chars` characters of keys and renders."""
+
+    def __init__(self, most_chars: int) -> None:
+        self._most_chars = most_chars
+        self._chars = 0
+        self._renders: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[str, str, str] | None:
+        with self._lock:
+            parts = self._renders.get(key)
+            if parts is not None:
+                self._renders.move_to_end(key)
+            return parts
+
+    def keep(self, key: str, parts: tuple[str, str, str]) -> None:
+        chars = _chars(key, parts)
+        if chars > self._most_chars:
+            return
+        with self._lock:
+            if key in self._renders:
+                return
+            self._renders[key] = parts
+            self._chars += chars
+            while self._chars > self._most_chars:
+                self._chars -= _chars(*self._renders.popitem(last=False))
+
+
+def _chars(key: str, parts: tuple[str, str, str]) -> int:
+    return len(key) + sum(map(len, parts))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

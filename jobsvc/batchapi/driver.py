@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime
 
@@ -27,7 +30,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from jobsvc.batchapi.ingest import Ingestor
+from jobsvc.batchapi.ingest import Ingestor, PreparedSlice
 from jobsvc.batchapi.lines import (
     FileCheck,
     FileError,
@@ -211,6 +214,8 @@ class BatchDriver:
             return
         self._batches.start(batch.id, self.name, self._lease, check.requests)
         log.info("batch %s: %d requests, validated", batch.id, check.requests)
+        # Its first slice goes in the next round, which need not wait.
+        self.wake()
 
     def _lines(self, batch: BatchRecord) -> Iterator[tuple[int, RawLine]]:
         """The input file's request lines, none held longer than a request can be."""
@@ -232,17 +237,32 @@ class BatchDriver:
             yield lines
 
     def _ingest(self, batch: BatchRecord) -> None:
-        """Submit every line not yet submitted, a slice at a time, the request counts moving
-        with each (the first slices' jobs finish while later ones are read); a cancel, the
-        window's end or the server stopping stops it between slices."""
-        for lines in self._remaining(batch):
-            if self._stop.is_set() or _expired(batch):
-                return
-            outcomes = self._ingestor.ingest(batch.id, batch.endpoint, lines)
-            self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
-                                       lines[-1].line)
-            # BatchChanged once a cancel has come in: the next step ends the batch.
-            self._follow(batch, self._batches.tally(batch.id))
+        """Submit every line not yet submitted, a slice at a time, each slice read and prepared
+        (parsed, cut, tokenized) in a thread of its own while the one before is submitted; the
+        request counts move with the first slice and then once a round (the first slices'
+        jobs finish while later ones are read), as counting them reads every line recorded.
+        A cancel, the window's end or the server stopping stops it between slices."""
+        slices = self._remaining(batch)
+
+        def prepare_next() -> PreparedSlice | None:
+            lines = next(slices, None)
+            return None if lines is None else self._ingestor.prepare(batch.id, batch.endpoint,
+                                                                     lines)
+
+        followed = -math.inf
+        with ThreadPoolExecutor(1, thread_name_prefix="batch-prepare") as preparing:
+            coming = preparing.submit(prepare_next)
+            while (prepared := coming.result()) is not None:
+                if self._stop.is_set() or _expired(batch):
+                    return
+                coming = preparing.submit(prepare_next)
+                outcomes = self._ingestor.submit(prepared)
+                self._batches.record_lines(batch.id, self.name, self._lease, outcomes,
+                                           prepared.lines[-1].line)
+                if time.monotonic() - followed >= _ROUND_SECONDS:
+                    # BatchChanged once a cancel has come in: the next step ends the batch.
+                    self._follow(batch, self._batches.tally(batch.id))
+                    followed = time.monotonic()
 
     def _follow(self, batch: BatchRecord, tally: Tally) -> None:
         """Bring the request counts up to `tally`; once every line has ended, finalize."""

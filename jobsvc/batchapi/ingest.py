@@ -57,6 +57,18 @@ class _Accepted:
     tool_plan: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class PreparedSlice:
+    """A slice of lines ready to submit: the job of each valid line and the error of each
+    other one, by line number."""
+
+    lines: Sequence[RequestLine]
+    jobs: dict[int, PreparedJob]
+    errors: dict[int, LineError]
+    # The tool plan each chat line's answer is read by (`tool_calls.stored_plan`).
+    tool_plans: dict[int, dict[str, Any] | None]
+
+
 class Ingestor:
     """Turns slices of a batch's request lines into jobs, with everything a line needs checked first
     so that a bad line fails alone instead of taking its slice down."""
@@ -83,8 +95,15 @@ class Ingestor:
     def ingest(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]
                ) -> list[LineOutcome]:
         """Submit the slice's valid lines as jobs; every line gets its outcome, in order."""
+        return self.submit(self.prepare(batch_id, endpoint, lines))
+
+    def prepare(self, batch_id: str, endpoint: str, lines: Sequence[RequestLine]
+                ) -> PreparedSlice:
+        """Everything of a slice short of submitting it: each line checked, cut and tokenized
+        into its job, or refused. It records and enqueues nothing, so the next slice is
+        prepared while one is submitted."""
         if endpoint == EMBEDDINGS_ENDPOINT:
-            return self._ingest_embeddings(batch_id, lines)
+            return self._prepare_embeddings(batch_id, lines)
         errors: dict[int, LineError] = {}
         accepted: list[_Accepted] = []
         for request in lines:
@@ -105,16 +124,21 @@ class Ingestor:
         jobs = [job for name in dict.fromkeys(item.model.name for item in accepted)
                 for job in self._prepare(batch_id, endpoint, [
                     item for item in accepted if item.model.name == name], errors)]
-        job_ids = dict(zip((item.request.line for item, _ in jobs),
-                           self._client.submit_prepared([job for _, job in jobs]), strict=True))
-        plans = {item.request.line: item.tool_plan for item, _ in jobs}
+        return PreparedSlice(lines, {item.request.line: job for item, job in jobs}, errors,
+                             {item.request.line: item.tool_plan for item, _ in jobs})
+
+    def submit(self, prepared: PreparedSlice) -> list[LineOutcome]:
+        """Submit a prepared slice's jobs; every line gets its outcome, in order."""
+        job_ids = dict(zip(prepared.jobs, self._client.submit_prepared(
+            list(prepared.jobs.values())), strict=True)) if prepared.jobs else {}
+        errors = prepared.errors
         return [LineOutcome(request.line, request.custom_id, job_ids.get(request.line),
                             invalid(errors[request.line]) if request.line in errors else None,
-                            plans.get(request.line))
-                for request in lines]
+                            prepared.tool_plans.get(request.line))
+                for request in prepared.lines]
 
-    def _ingest_embeddings(self, batch_id: str, lines: Sequence[RequestLine]
-                           ) -> list[LineOutcome]:
+    def _prepare_embeddings(self, batch_id: str, lines: Sequence[RequestLine]
+                            ) -> PreparedSlice:
         """An embeddings slice: each valid line one job of its inputs, checked against the
         embedding model it names (`Client.prepare_embedding`)."""
         errors: dict[int, LineError] = {}
@@ -137,11 +161,7 @@ class Ingestor:
                         "context_length_exceeded" if isinstance(error, ContextExceeded)
                         else "invalid_value")
                 errors[request.line] = LineError(str(error), error.field, code)
-        job_ids = dict(zip(jobs, self._client.submit_prepared(list(jobs.values())),
-                           strict=True))
-        return [LineOutcome(request.line, request.custom_id, job_ids.get(request.line),
-                            invalid(errors[request.line]) if request.line in errors else None)
-                for request in lines]
+        return PreparedSlice(lines, jobs, errors, {})
 
     def _parse(self, endpoint: str, body: Mapping[str, Any]
                ) -> ChatRequest | CompletionRequest:

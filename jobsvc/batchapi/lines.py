@@ -46,6 +46,11 @@ _TOKENS = re.compile(_STRING + rb"|[\[\]{}]")
 _VALUE = re.compile(rb"\s*:\s*(" + _STRING + rb")")
 # The last member of the top-level object, when it is the custom_id.
 _LAST_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*(' + _STRING + rb")\s*}\s*$")
+# What a line's bytes must hold for its parsed text to hold a NUL or a lone surrogate: a NUL
+# byte (also in every UTF-16 or UTF-32 line), an escape of NUL or of a surrogate, or a surrogate
+# encoded in UTF-8 (JSON's parser lets those through). A line without any is not searched
+# string by string.
+_MAY_BE_UNSTORABLE = re.compile(rb"\x00|\\u(?:0000|[dD][89a-fA-F])|\xed[\xa0-\xbf]")
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,17 @@ def _refused_alone(line: int, custom_id: str | None, error: LineError) -> Reques
     return RequestLine(line, storable(custom_id), {}, error)
 
 
+def _may_be_unstorable(raw: bytes) -> bool:
+    """Whether the line's text may hold what `first_unstorable` refuses: a line that opens
+    with a byte beyond ASCII (a byte order mark: the parser may read it as UTF-16 or UTF-32)
+    or holds a byte sequence that can decode to it."""
+    if raw[:1] >= b"\x80":
+        return True
+    # Searching for each byte alone is quicker than the pattern, which few lines need.
+    return (b"\\u" in raw or b"\x00" in raw or b"\xed" in raw) and (
+        _MAY_BE_UNSTORABLE.search(raw) is not None)
+
+
 def parse_line(line: int, raw: RawLine, endpoint: str) -> RequestLine:
     """The request on one line, or LineStructureError saying why the line is not one."""
     if isinstance(raw, OversizedLine):
@@ -243,6 +259,8 @@ def parse_line(line: int, raw: RawLine, endpoint: str) -> RequestLine:
     if not isinstance(body, dict):
         raise LineStructureError(FileError(
             "invalid_request", f"line {line}: body must be a JSON object", line, "body"))
+    if not _may_be_unstorable(raw):
+        return RequestLine(line, custom_id, body)
     if found := first_unstorable(custom_id, "custom_id") or first_unstorable(body):
         param, fault = found
         return _refused_alone(line, custom_id, LineError(

@@ -328,12 +328,11 @@ class BatchStore:
         with self._engine.begin() as connection:
             self._change(batch_id, driver, lease_seconds, connection=connection,
                          ingested_line=last_line)
-            if outcomes:
-                connection.execute(self._sql.insert_ignoring_duplicates(BatchLine), [
-                    {"batch_id": batch_id, "line": outcome.line,
-                     "custom_id": outcome.custom_id, "job_id": outcome.job_id,
-                     "error": outcome.error, "tool_plan": outcome.tool_plan}
-                    for outcome in outcomes])
+            self._sql.insert_new_rows(connection, BatchLine.__table__, [
+                {"batch_id": batch_id, "line": outcome.line, "custom_id": outcome.custom_id,
+                 "job_id": outcome.job_id, "error": outcome.error,
+                 "tool_plan": outcome.tool_plan}
+                for outcome in outcomes])
 
     def tally(self, batch_id: str) -> Tally:
         """Where the batch's lines stand, counted from its jobs in one query: the counts and usage

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
+from jobsvc.store.dialect import dialect_of
 from jobsvc.store.paging import page_rows
 from jobsvc.store.records import utcnow
 from jobsvc.store.tables import FileChunk, StoredFile
@@ -117,6 +118,7 @@ class FileStore:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._sql = dialect_of(engine)
 
     def writer(self, filename: str, purpose: str, *,
                connection: Connection | None = None) -> FileWriter:
@@ -159,8 +161,8 @@ class FileStore:
         read = seq = 0
         while read < size:
             with self._engine.connect() as connection:
-                data = connection.execute(select(FileChunk.data).where(
-                    FileChunk.file_id == file_id, FileChunk.seq == seq)).scalar_one_or_none()
+                data = self._sql.bytes_scalar(connection, select(FileChunk.data).where(
+                    FileChunk.file_id == file_id, FileChunk.seq == seq))
             if data is None:
                 raise FileVanished(f"file {file_id} was deleted after {read} of its "
                                    f"{size} bytes were read")

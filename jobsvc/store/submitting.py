@@ -107,9 +107,7 @@ class Submitting(Database):
             return self._jobs_by_key(connection, keys)
 
     def _jobs_by_key(self, connection: Connection, keys: Sequence[str]) -> dict[str, str]:
-        return dict(connection.execute(
-            select(Job.idempotency_key, Job.id).where(self._sql.among(Job.idempotency_key, keys)))
-            .all())
+        return self._sql.jobs_by_key(connection, keys)
 
     def forget_submitted(self, job_ids: Sequence[str]) -> None:
         """Remove jobs recorded by a submit whose enqueue then failed."""

@@ -191,6 +191,18 @@ def test_a_document_is_the_shared_prefix_wherever_a_request_puts_it() -> None:
     assert split_prompt("no break").prefix == ""
 
 
+def test_a_conversation_splits_alike_whatever_was_split_before() -> None:
+    shared = ChatTemplate(str(TINY_MODEL))
+    conversations = [
+        [{"role": "system", "content": "Doc.\n\nMore."}, {"role": "user", "content": q}]
+        for q in ("Who?", "Why?\n\nReally?")] + [
+        [{"role": "system", "content": "Doc.\n\nMore."}, {"role": "assistant", "content": "Hi."}],
+        [{"role": "system", "content": "Other."}, {"role": "user", "content": "Who?"}],
+    ]
+    for conversation in conversations * 2:
+        assert shared.split(conversation) == ChatTemplate(str(TINY_MODEL)).split(conversation)
+
+
 def test_response_bodies_carry_usage_with_cached_tokens_and_a_finish_reason() -> None:
     answer = Answer("j1", "hi", prompt_tokens=10, completion_tokens=4, cached_tokens=8,
                     max_tokens=4, created=1)

@@ -37,6 +37,12 @@ def chat(content: str, **extra: object) -> dict[str, object]:
     (raw_line("b", chat("nul \x00")), "b", "messages[0].content"),
     (raw_line("c", chat("hi", stop=["ok", "\udfff"])), "c", "stop[1]"),
     (raw_line("d", chat("hi", metadata={"k\x00": "v"})), "d", "metadata.k\ufffd"),
+    # Escapes in upper case, and a surrogate written as UTF-8 bytes, decode to the same.
+    (raw_line("e", chat("hi")).replace(b'"hi"', b'"h\\uDBFFi"'), "e", "messages[0].content"),
+    (raw_line("f", chat("hi")).replace(b'"hi"', '"h\udc00i"'.encode(errors="surrogatepass")),
+     "f", "messages[0].content"),
+    ('\ufeff'.encode() + raw_line("g", chat("hi")).replace(b'"hi"', b'"h\\u0000"'), "g",
+     "messages[0].content"),
 ])
 def test_text_that_cannot_be_stored_or_tokenized_fails_its_line_alone(
         raw: bytes, custom_id: str, param: str) -> None:
@@ -45,6 +51,17 @@ def test_text_that_cannot_be_stored_or_tokenized_fails_its_line_alone(
     assert request.custom_id == custom_id
     assert (request.refused.code, request.refused.param) == ("invalid_text", param)
     assert "\x00" not in str(request.refused) and request.custom_id.encode()
+
+
+@pytest.mark.parametrize("content", ["caf\u00e9 \U0001f600 \u4e2d", "a \\u0000 written out"])
+@pytest.mark.parametrize("ascii_only", [True, False])
+def test_text_beyond_ascii_and_escaped_backslashes_pass_as_they_are(
+        content: str, ascii_only: bool) -> None:
+    raw = json.dumps({"custom_id": "ok\u00e9", "method": "POST", "url": CHAT_ENDPOINT,
+                      "body": chat(content)}, ensure_ascii=ascii_only).encode()
+    request = parse_line(2, raw, CHAT_ENDPOINT)
+    assert request.refused is None
+    assert (request.custom_id, request.body) == ("ok\u00e9", chat(content))
 
 
 def test_json_nested_too_deep_fails_its_line_without_being_parsed() -> None:

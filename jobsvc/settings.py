@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import socket
 from collections.abc import Mapping
@@ -135,6 +137,16 @@ class Settings:
     # of a chat line with tools and `tool_choice` auto; empty: such answers are text. Named
     # and required tool choices need none.
     tool_call_parser: str = ""
+    # `jobsvc serve`: the endpoints each batch's end is POSTed to (`batch.completed`, ...),
+    # separated by commas (empty: none), and the `whsec_` secret they are signed with as
+    # OpenAI signs its webhooks (required with endpoints).
+    webhook_urls: str = ""
+    webhook_secret: str = ""
+    # Seconds an attempt may take before it counts as refused; after a refusal, seconds
+    # before the first retry, doubled at each further refusal up to the longest wait.
+    webhook_timeout_seconds: float = 10.0
+    webhook_retry_seconds: float = 5.0
+    webhook_retry_max_seconds: float = 3600.0
 
     @property
     def job_limits(self) -> JobLimits:
@@ -234,6 +246,30 @@ class Settings:
         if self.served_model_name in adapters:
             raise ConfigurationError(f"JOBSVC_LORAS: adapter name {self.served_model_name!r} "
                                      "is the served model's own name")
+        if self.webhook_endpoints:
+            _webhook_key(self.webhook_secret)
+        if not (self.webhook_timeout_seconds > 0
+                and 0 < self.webhook_retry_seconds <= self.webhook_retry_max_seconds):
+            raise ConfigurationError("JOBSVC_WEBHOOK_TIMEOUT_SECONDS and "
+                                     "JOBSVC_WEBHOOK_RETRY_SECONDS must be > 0, and "
+                                     "JOBSVC_WEBHOOK_RETRY_MAX_SECONDS at least the latter")
+
+    @property
+    def webhook_endpoints(self) -> tuple[str, ...]:
+        """JOBSVC_WEBHOOK_URLS as distinct http(s) URLs, in the order given."""
+        endpoints: dict[str, None] = {}
+        for url in filter(None, (part.strip() for part in self.webhook_urls.split(","))):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigurationError(f"JOBSVC_WEBHOOK_URLS: {masked_url(url)!r} is not an "
+                                         "http:// or https:// URL")
+            endpoints[url] = None
+        return tuple(endpoints)
+
+    @property
+    def webhook_key(self) -> bytes:
+        """The key JOBSVC_WEBHOOK_SECRET gives webhook signatures."""
+        return _webhook_key(self.webhook_secret)
 
     @property
     def lora_modules(self) -> dict[str, str]:
@@ -260,6 +296,21 @@ def _check_tool_call_parser(name: str) -> None:
     if name not in names:
         raise ConfigurationError(f"JOBSVC_TOOL_CALL_PARSER={name!r} is not one of vLLM's "
                                  f"tool-call parsers: {', '.join(names)}")
+
+
+def _webhook_key(secret: str) -> bytes:
+    """The HMAC key of a webhook secret: the bytes its base64 after `whsec_` encodes, as
+    OpenAI's and Standard Webhooks' verifiers decode it."""
+    prefix, _, encoded = secret.partition("_")
+    try:
+        key = base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        key = b""
+    if prefix != "whsec" or not key:
+        # The secret itself is never shown.
+        raise ConfigurationError("JOBSVC_WEBHOOK_SECRET must be set with JOBSVC_WEBHOOK_URLS, "
+                                 "as whsec_ followed by the key in base64")
+    return key
 
 
 def masked_url(url: str) -> str:

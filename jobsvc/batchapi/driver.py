@@ -103,7 +103,7 @@ class BatchDriver:
         self._client = client
         self._ingestor = ingestor
         self._engine = engine
-        self._batches = BatchStore(engine)
+        self._batches = BatchStore(engine, settings.webhook_endpoints)
         self._files = FileStore(engine)
         self._stop = threading.Event()
         self._wake = threading.Event()

@@ -1,6 +1,6 @@
 """The FastAPI application of `jobsvc serve`: one router per resource, one error shape, every
-request inside its bounds (the key checked before any body is read), and the batch driver
-running for the app's life."""
+request inside its bounds (the key checked before any body is read), and the batch driver and
+the webhooks' sender running for the app's life."""
 
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ def metrics(request: Request) -> Response:
 
 def create_app(settings: Settings) -> FastAPI:
     """The server's app: request bounds outermost, one error shape, every router, and the services
-    (the batch driver among them) opened and closed with its life."""
+    (the batch driver and the webhooks' sender among them) opened and closed with its life."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.open(settings)
         services.start_driver()
+        services.start_webhooks()
         app.state.services = services
         try:
             yield

@@ -19,6 +19,7 @@ from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.store.batches import BatchStore
 from jobsvc.store.files import FileStore
+from jobsvc.webhooks import WebhookSender
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Services:
     # The Redis client of those metrics.
     fleet_redis: redis.Redis
     driver: BatchDriver | None = None
+    # Sends the webhooks of ended batches, where endpoints are configured.
+    webhooks: WebhookSender | None = None
     # When this server started: the `created` time of the model it serves.
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,15 +66,24 @@ class Services:
         self.driver = self.new_driver()
         self.driver.start()
 
+    def start_webhooks(self) -> None:
+        """Start sending webhooks for the server's life, if any endpoint is configured."""
+        if self.settings.webhook_endpoints:
+            self.webhooks = WebhookSender(self.settings, self.store)
+            self.webhooks.start()
+
     def wake_driver(self) -> None:
         """Have the driver take a round now, so a new or cancelled batch moves without waiting."""
         if self.driver is not None:
             self.driver.wake()
 
     def close(self) -> None:
-        """Stop the driver (handing its batches back), then close the connections."""
+        """Stop the driver (handing its batches back) and the webhooks' sender, then close
+        the connections."""
         if self.driver is not None:
             self.driver.stop()
+        if self.webhooks is not None:
+            self.webhooks.stop()
         self.client.close()
         self.fleet_redis.close()
         self.store.dispose()

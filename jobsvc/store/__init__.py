@@ -7,9 +7,9 @@ Nothing outside this package spells a column: typed values (`records`) cross its
 
 The store is one class users hold, made of one part per concern: recording and moving jobs
 (`submitting`), claiming them and recording their outcomes (`claiming`), reading and
-cancelling them (`reading`), counting them (`counts`). The batch API's batches and files have
-stores of their own (`batches`, `files`); every table is in `tables`, and where PostgreSQL
-and SQLite differ is in `dialect`.
+cancelling them (`reading`), counting them (`counts`), taking webhook deliveries from their
+outbox (`webhooks`). The batch API's batches and files have stores of their own (`batches`,
+`files`); every table is in `tables`, and where PostgreSQL and SQLite differ is in `dialect`.
 """
 
 from jobsvc.store.claiming import Claiming
@@ -30,11 +30,12 @@ from jobsvc.store.records import (
     utcnow,
 )
 from jobsvc.store.submitting import Submitting
+from jobsvc.store.webhooks import WebhookDeliveries
 
 
-class Store(Submitting, Claiming, Reading, Counting):
-    """The repository: every read and write of jobs, results and statistics goes through
-    here."""
+class Store(Submitting, Claiming, Reading, Counting, WebhookDeliveries):
+    """The repository: every read and write of jobs, results, statistics and webhook
+    deliveries goes through here."""
 
 
 __all__ = ["Cancelled", "Claim", "ClaimedJob", "JobOutcome", "JobRecord", "MessageStats",

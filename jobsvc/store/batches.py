@@ -26,6 +26,8 @@ from jobsvc.store.dialect import dialect_of
 from jobsvc.store.paging import page_rows
 from jobsvc.store.records import utcnow
 from jobsvc.store.tables import BatchLine, BatchRow, Job, Result
+from jobsvc.store.webhooks import add_deliveries
+from jobsvc.webhooks import batch_event
 from jobsvc.wire import ACTIVE_STATUSES, JobStatus
 
 # The one completion window a batch may ask for (OpenAI's).
@@ -174,9 +176,11 @@ class BatchStore:
     """Every read and write of the batches and their lines, in one place, each driver write fenced
     by its lease."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, webhook_endpoints: Sequence[str] = ()) -> None:
+        """`webhook_endpoints`: where each batch's end is announced (its driver's settings)."""
         self._engine = engine
         self._sql = dialect_of(engine)
+        self._webhook_endpoints = tuple(webhook_endpoints)
 
     def create(self, *, endpoint: str, input_file_id: str, completion_window: str,
                metadata: dict[str, str] | None, window_seconds: int) -> BatchRecord:
@@ -320,6 +324,10 @@ class BatchStore:
             raise BatchChanged(f"batch {batch_id} is {held} now, no longer {status_was}")
         if values:
             connection.execute(update(BatchRow).where(BatchRow.id == batch_id).values(**values))
+        if self._webhook_endpoints and (ending := values.get("status")) in _FINAL_STAMP:
+            # Every final state is set here: its webhooks commit with it, or neither does.
+            event_id, body = batch_event(batch_id, ending, values[_FINAL_STAMP[ending]])
+            add_deliveries(connection, event_id, body, self._webhook_endpoints)
 
     def record_lines(self, batch_id: str, driver: str, lease_seconds: int,
                      outcomes: Sequence[LineOutcome], last_line: int) -> None:

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -223,3 +224,35 @@ class BatchLine(Base):
     # A chat line's tool plan, for its answer to be read as tool calls at the batch's end
     # (`jobsvc.batchapi.tool_calls.stored_plan`); None: the answer is text.
     tool_plan: Mapped[dict[str, Any] | None] = mapped_column(_JSON)
+
+
+_UNDELIVERED = text("delivered_at IS NULL")
+
+
+class WebhookDelivery(Base):
+    """One event for one webhook endpoint, kept until the endpoint acknowledges it (the outbox
+    of `jobsvc.store.webhooks`)."""
+
+    __tablename__ = "webhook_deliveries"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    # The event's ID, also its `webhook-id`: the same on every attempt, for receivers to
+    # deduplicate by.
+    event_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(Text)
+    # The event exactly as every attempt sends it.
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    # Attempts begun so far; the next one waits longer after each refusal.
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # When the next attempt is due; while one is under way, when its lease runs out.
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Why the last attempt failed (a status code or a connection error), for operators.
+    last_error: Mapped[str | None] = mapped_column(String(200))
+
+    # An event goes to an endpoint once; senders read undelivered rows by due time only.
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint", name="uq_webhook_deliveries_event_endpoint"),
+        Index("ix_webhook_deliveries_due", "next_attempt_at", postgresql_where=_UNDELIVERED,
+              sqlite_where=_UNDELIVERED))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import logging
 import os
 import signal
 import sys
@@ -145,7 +147,16 @@ def _flower(settings: Settings, args: argparse.Namespace) -> None:
 
     # In this process, with this interpreter's Celery and Flower: nothing need be on PATH,
     # and the broker URL, which may hold a password, appears on no command line.
-    raise SystemExit(run_flower(settings, args.address, open_=args.open))
+    code = run_flower(settings, args.address, open_=args.open)
+    # Flower has stopped, but a call to the broker still under way in one of its executor's
+    # threads (retrying a refused connection) would hold the interpreter's exit for as long
+    # as it retries: the exit handlers (Flower's own stop among them) run, then the process
+    # ends without joining those threads.
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> None:

@@ -86,26 +86,27 @@ if ARGV[1] ~= '' and not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]
 end
 local reply = {redis.call('incrby', KEYS[2], ARGV[3]), redis.call('hgetall', KEYS[3]),
                redis.call('hgetall', KEYS[4])}
-local starts, lengths, at = {}, {}, 5
+local starts, lengths, firsts, at = {}, {}, {}, 5
 for c = 1, tonumber(ARGV[4]) do
   lengths[c] = tonumber(ARGV[at])
   starts[c] = at + 1
+  firsts[c] = ARGV[at + 1]
   at = at + lengths[c] + 1
+end
+-- The scores of members from..to of `list` in `key`, 1,000 at a time (Lua's unpack is bounded).
+local function scores(key, list, from, to)
+  local found = {}
+  for first = from, to, 1000 do
+    local part = redis.call('zmscore', key, unpack(list, first, math.min(first + 999, to)))
+    for k = 1, #part do found[#found + 1] = part[k] end
+  end
+  return found
 end
 for s = 5, #KEYS do
   local held = {redis.call('zcard', KEYS[s])}
+  local heads = scores(KEYS[s], firsts, 1, #firsts)
   for c = 1, #starts do
-    local scores = false
-    if redis.call('zscore', KEYS[s], ARGV[starts[c]]) then
-      scores = {}
-      local last = starts[c] + lengths[c] - 1
-      for first = starts[c], last, 1000 do
-        local part = redis.call('zmscore', KEYS[s],
-                                unpack(ARGV, first, math.min(first + 999, last)))
-        for k = 1, #part do scores[#scores + 1] = part[k] end
-      end
-    end
-    held[#held + 1] = scores
+    held[#held + 1] = heads[c] and scores(KEYS[s], ARGV, starts[c], starts[c] + lengths[c] - 1)
   end
   reply[#reply + 1] = held
 end

@@ -5,14 +5,13 @@ document's tokens form an exact prefix that the engine's prefix cache can reuse.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from jobsvc.errors import ConfigurationError
+from jobsvc.recent import Recent
 from jobsvc.settings import TINY_MODEL
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
@@ -101,54 +100,24 @@ class PromptBuilder:
         """Token IDs of each document, with the model's leading special tokens. Documents are
         asked many questions: those tokenized lately are taken from a bounded cache, the same
         list each time, which callers never change."""
-        return self._documents.tokens(texts, lambda new: self._tokenizer.encode_many(
-            new, special=True))
+        known = {text: tokens for text in texts
+                 if (tokens := self._documents.get(text)) is not None}
+        new = list(dict.fromkeys(text for text in texts if text not in known))
+        if new:
+            for text, tokens in zip(new, self._tokenizer.encode_many(new, special=True),
+                                    strict=True):
+                self._documents.keep(text, tokens)
+                known[text] = tokens
+        return [known[text] for text in texts]
 
     @cached_property
-    def _documents(self) -> _RecentDocuments:
-        return _RecentDocuments(_RECENT_DOCUMENT_CHARS)
+    def _documents(self) -> Recent[str, list[int]]:
+        return Recent(_RECENT_DOCUMENT_CHARS, lambda text, _tokens: len(text))
 
     def questions(self, texts: Sequence[str]) -> list[list[int]]:
         """Token IDs of each question's tail of the prompt, without special tokens."""
         return self._tokenizer.encode_many(
             [QUESTION_TEMPLATE.format(question=text) for text in texts], special=False)
-
-
-class _RecentDocuments:
-    """Token IDs of the documents tokenized lately, least recently used out first, holding at
-    most `most_chars` characters of documents (their tokens take a few times as many bytes)."""
-
-    def __init__(self, most_chars: int) -> None:
-        self._most_chars = most_chars
-        self._chars = 0
-        self._tokens: OrderedDict[str, list[int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def tokens(self, texts: Sequence[str],
-               encode: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
-        with self._lock:
-            known = {text: self._touch(text) for text in texts if text in self._tokens}
-        new = list(dict.fromkeys(text for text in texts if text not in known))
-        if new:
-            encoded = dict(zip(new, encode(new), strict=True))
-            with self._lock:
-                for text, ids in encoded.items():
-                    self._keep(text, ids)
-            known.update(encoded)
-        return [known[text] for text in texts]
-
-    def _touch(self, text: str) -> list[int]:
-        self._tokens.move_to_end(text)
-        return self._tokens[text]
-
-    def _keep(self, text: str, ids: list[int]) -> None:
-        if text in self._tokens or len(text) > self._most_chars:
-            return
-        self._tokens[text] = ids
-        self._chars += len(text)
-        while self._chars > self._most_chars:
-            dropped, _ = self._tokens.popitem(last=False)
-            self._chars -= len(dropped)
 
 
 class _FastTokenizer:

@@ -183,7 +183,7 @@ class Reconciler:
                                      _NEW_JOBS_PER_ROUND)
         count += self._resend(new, dead)
         bucket = int(progress.get("bucket", 0)) % SWEEP_BUCKETS
-        buckets = self._sweep_size(bucket, SWEEP_JOBS_PER_ROUND)
+        buckets = _sweep_size(bucket, SWEEP_JOBS_PER_ROUND, self._unfinished())
         count += self._resend(self._swept(bucket, buckets, sent_before), dead, whole=True)
         checked = (_mark_text(new[-1].enqueued_at, new[-1].job_id)
                    if len(new) == _NEW_JOBS_PER_ROUND and new[-1].enqueued_at is not None
@@ -261,8 +261,9 @@ class Reconciler:
         """Check every unfinished job sent before `sent_before`, bucket by bucket, keeping
         the round's lock."""
         count = bucket = 0
+        unfinished = self._unfinished()
         while bucket < SWEEP_BUCKETS:
-            buckets = self._sweep_size(bucket, SWEEP_JOBS_PER_SLICE)
+            buckets = _sweep_size(bucket, SWEEP_JOBS_PER_SLICE, unfinished)
             count += self._resend(self._swept(bucket, buckets, sent_before), dead, whole=True)
             bucket += buckets
             lock.extend(RECONCILE_LOCK_SECONDS, replace_ttl=True)
@@ -270,14 +271,9 @@ class Reconciler:
             log.warning("Redis had lost its messages: sent %d unfinished jobs again", count)
         return count
 
-    def _sweep_size(self, first: int, jobs: int) -> int:
-        """How many buckets from `first` on hold about `jobs` unfinished jobs, the backlog
-        taken as spread evenly over the IDs (they are random): at least one, and none past the
-        last."""
-        unfinished = sum(sum(by_status.values())
-                         for by_status in self._store.active_counts().values())
-        wanted = -(-SWEEP_BUCKETS * jobs // max(unfinished, 1))
-        return max(1, min(wanted, SWEEP_BUCKETS - first))
+    def _unfinished(self) -> int:
+        """How many jobs are unfinished, as the store counts them."""
+        return sum(sum(by_status.values()) for by_status in self._store.active_counts().values())
 
     def _swept(self, first: int, buckets: int, sent_before: datetime) -> list[SentJob]:
         """The unfinished jobs of `buckets` buckets from `first` on, but those of messages
@@ -329,6 +325,13 @@ def _mark(text: str) -> tuple[datetime, str]:
     """A send time and job ID as `_mark_text` wrote them."""
     moment, _, job_id = text.partition(" ")
     return datetime.fromisoformat(moment), job_id
+
+
+def _sweep_size(first: int, jobs: int, unfinished: int) -> int:
+    """How many buckets from `first` on hold about `jobs` of the `unfinished` jobs, taken as
+    spread evenly over the IDs (they are random): at least one, and none past the last."""
+    wanted = -(-SWEEP_BUCKETS * jobs // max(unfinished, 1))
+    return max(1, min(wanted, SWEEP_BUCKETS - first))
 
 
 def _mark_text(moment: datetime, job_id: str) -> str:

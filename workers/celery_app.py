@@ -28,6 +28,7 @@ from jobsvc.served_models import served_by
 from jobsvc.settings import Settings
 from jobsvc.store import Store
 from jobsvc.transport import RUN_MESSAGE_TASK, make_celery, message_finished
+from jobsvc.wire import MessageError, QueueMessage
 from jobsvc.workers import broker_fixes
 from jobsvc.workers.collector import CollectionWindow
 from jobsvc.workers.drain import DrainWatch
@@ -129,9 +130,11 @@ class WorkerRuntime:
         try:
             yield
         except BaseException:
-            jobs = payload.get("jobs") if isinstance(payload, dict) else None
-            dropped = [job for job in jobs if isinstance(job, str)] if isinstance(
-                jobs, list) else []
+            try:
+                dropped = QueueMessage.from_wire(payload, message_id).job_ids
+            except MessageError:
+                # Not ours: it names no job that could run.
+                dropped = []
             self._forget_message(message_id, dropped)
             raise
         self._forget_message(message_id, [])

@@ -16,14 +16,13 @@ The tools a chat request offers are the template's to render, as vLLM gives them
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from jobsvc.batchapi.line_requests import LineError
+from jobsvc.recent import Recent
 
 PARAGRAPH_BREAK = "\n\n"
 # Stands in for the last message's content, to find where the template puts it.
@@ -55,7 +54,8 @@ class ChatTemplate:
 
     def __init__(self, model: str) -> None:
         self._model = model
-        self._recent = _RecentRenders(_RECENT_CHARS)
+        self._recent: Recent[str, tuple[str, str, str]] = Recent(
+            _RECENT_CHARS, lambda key, parts: len(key) + sum(map(len, parts)))
 
     @cached_property
     def _template(self) -> tuple[Any, dict[str, str]] | None:
@@ -132,40 +132,6 @@ class ChatTemplate:
                                 ).partition(_MARK)
             self._recent.keep(key, parts)
         return parts
-
-
-class _RecentRenders:
-    """Marked renders by their conversation's JSON, least recently used out first, holding at
-    most `most_chars` characters of keys and renders."""
-
-    def __init__(self, most_chars: int) -> None:
-        self._most_chars = most_chars
-        self._chars = 0
-        self._renders: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> tuple[str, str, str] | None:
-        with self._lock:
-            parts = self._renders.get(key)
-            if parts is not None:
-                self._renders.move_to_end(key)
-            return parts
-
-    def keep(self, key: str, parts: tuple[str, str, str]) -> None:
-        chars = _chars(key, parts)
-        if chars > self._most_chars:
-            return
-        with self._lock:
-            if key in self._renders:
-                return
-            self._renders[key] = parts
-            self._chars += chars
-            while self._chars > self._most_chars:
-                self._chars -= _chars(*self._renders.popitem(last=False))
-
-
-def _chars(key: str, parts: tuple[str, str, str]) -> int:
-    return len(key) + sum(map(len, parts))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Select, bindparam, or_, select, tuple_, update
-from sqlalchemy.engine import Connection
 
 from jobsvc import compression
 from jobsvc.embeddings import is_embedding
@@ -96,7 +95,7 @@ class Submitting(Database):
                     if row["id"] not in inserted}
             if not lost:
                 return {}
-            holders = self._jobs_by_key(connection, list(lost))
+            holders = self._sql.jobs_by_key(connection, list(lost))
         return {job_id: holders[key] for key, job_id in lost.items()}
 
     def jobs_by_key(self, keys: Sequence[str]) -> dict[str, str]:
@@ -104,10 +103,7 @@ class Submitting(Database):
         if not keys:
             return {}
         with self._reads.connect() as connection:
-            return self._jobs_by_key(connection, keys)
-
-    def _jobs_by_key(self, connection: Connection, keys: Sequence[str]) -> dict[str, str]:
-        return self._sql.jobs_by_key(connection, keys)
+            return self._sql.jobs_by_key(connection, keys)
 
     def forget_submitted(self, job_ids: Sequence[str]) -> None:
         """Remove jobs recorded by a submit whose enqueue then failed."""
